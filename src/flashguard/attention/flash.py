@@ -1,0 +1,198 @@
+"""FlashAttention-2 forward and backward, every intermediate rounded per a PrecisionPolicy.
+
+Forward (FA2 Algorithm 1): for each query tile, stream over key tiles with an online softmax
+(running max m, running sum l, unnormalised O) and save only O and the row log-sum-exp.
+Backward (FA2 Algorithm 2): a delta = rowsum(dO * O) preprocess, then an outer loop over key
+tiles that owns dK/dV and an inner loop over query tiles that recomputes P from lse and adds
+into dQ. Run sequentially, each dQ tile receives the key tiles in ascending order and each
+dK/dV tile the query tiles in ascending order: the same accumulation order as the study's
+reference code, so bf16 accumulators reproduce it bit for bit.
+
+Tensors are (B, H, T, D). ``q, k, v`` arrive already rounded to ``policy.inputs``.
+Masks: ``keep`` is a boolean tensor broadcastable to (B, H, T_q, T_k), True where a key takes
+part; ``bias`` a float tensor added to the scores; ``causal`` is top-left aligned as in torch
+SDPA (query i sees keys j <= i).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..numerics.arith import cast, matmul, rowsum, storage_dtype
+from ..numerics.formats import FP32, FP64
+from ..numerics.policy import PrecisionPolicy
+from .stabilizers import Stabilizer
+
+__all__ = ["flash_forward", "flash_backward", "tile_ranges"]
+
+
+def tile_ranges(n: int, block: int) -> list[tuple[int, int]]:
+    return [(i, min(i + block, n)) for i in range(0, n, block)]
+
+
+def _masked_value(policy: PrecisionPolicy) -> float:
+    if policy.masked_scores == "finite":
+        # the reference code fills with minus the largest finite number of the scores dtype
+        return -policy.scores.max_finite
+    return float("-inf")
+
+
+def _tile_keep(keep, causal, q0, q1, k0, k1, device):
+    """Boolean keep-mask of one tile, or None when every entry takes part."""
+    tile = None
+    if keep is not None:
+        tile = keep[..., q0:q1, k0:k1]
+    if causal and k1 - 1 > q0:  # some key of the tile lies after some query of the tile
+        rows = torch.arange(q0, q1, device=device)[:, None]
+        cols = torch.arange(k0, k1, device=device)[None, :]
+        c = cols <= rows
+        tile = c if tile is None else tile & c
+    return tile
+
+
+def _scores(qi, kj, bias, q0, q1, k0, k1, scale, policy):
+    """S = round(round(q k^T) * scale) (+ bias), in the scores format."""
+    fmt = policy.scores
+    s = matmul(qi, kj.transpose(-2, -1), fmt)
+    s = cast(s * scale, fmt)
+    if bias is not None:
+        s = cast(s + bias[..., q0:q1, k0:k1].to(s.dtype), fmt)
+    return s
+
+
+def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: PrecisionPolicy,
+                  stabilizer: Stabilizer, block_q: int, block_k: int, keep_highp_o: bool = False,
+                  observe=None):
+    """Returns (o, lse, o_highp): O in ``policy.output`` storage (B, H, T_q, D_v), lse in
+    ``policy.lse`` storage (B, H, T_q, 1), and a high-precision (fp32, or fp64) copy of O (or None).
+
+    ``observe``, if given, is called once per visited tile as ``observe(tile, **values)`` with
+    tile = (q0, q1, k0, k1) and the tile's ``s``, ``keep``, ``row_max``, ``m_new``, ``pbar``
+    and ``pv``: the hook the diagnostics and the tests read the intermediates through."""
+    B, H, Tq, _ = q.shape
+    Tk, Dv = k.shape[-2], v.shape[-1]
+    stats, acc_fmt = policy.stats, policy.o_accum
+    fill = _masked_value(policy)
+    m_init = float("-inf") if policy.masked_scores == "inf" else -stats.max_finite
+    o_tiles, lse_tiles, hp_tiles = [], [], []
+    # the high-precision copy of O: fp32, or fp64 when the policy itself accumulates in fp64
+    hp_fmt = FP64 if storage_dtype(acc_fmt) == torch.float64 else FP32
+    for q0, q1 in tile_ranges(Tq, block_q):
+        qi = q[..., q0:q1, :]
+        n = q1 - q0
+        m = torch.full((B, H, n, 1), m_init, dtype=storage_dtype(stats), device=q.device)
+        l = torch.zeros((B, H, n, 1), dtype=storage_dtype(stats), device=q.device)
+        acc = torch.zeros((B, H, n, Dv), dtype=storage_dtype(acc_fmt), device=q.device)
+        acc_hp = torch.zeros((B, H, n, Dv), dtype=hp_fmt.torch_dtype, device=q.device) if keep_highp_o else None
+        for k0, k1 in tile_ranges(Tk, block_k):
+            if causal and k0 > q1 - 1 and not policy.visit_masked_tiles:
+                break  # this and every later key tile is hidden from the whole query tile
+            s = _scores(qi, k[..., k0:k1, :], bias, q0, q1, k0, k1, scale, policy)  # (B, H, n, bk)
+            tk = _tile_keep(keep, causal, q0, q1, k0, k1, q.device)
+            if tk is not None:
+                s = s.masked_fill(~tk, fill)
+            row_max = s.amax(dim=-1, keepdim=True)
+            m_new = torch.maximum(stabilizer.shift(s, row_max, policy), m)
+            # rows with nothing visible yet (all -inf) shift by 0 so that exp gives 0, not NaN
+            m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+            p_full = cast(torch.exp(cast(s - m_safe, policy.scores)), policy.scores)
+            if tk is not None:
+                p_full = p_full.masked_fill(~tk, 0.0)
+            pbar = cast(p_full, policy.pbar)
+            tile_sum = rowsum(pbar if policy.row_sum_rounded else p_full, stats)
+            if policy.row_sum_floor is not None:
+                tile_sum = cast(tile_sum.clamp(min=policy.row_sum_floor), stats)
+            pv = matmul(pbar, v[..., k0:k1, :], policy.pv)
+            if observe is not None:
+                observe((q0, q1, k0, k1), s=s, keep=tk, row_max=row_max, m_new=m_new, pbar=pbar, pv=pv)
+            f = cast(torch.exp(cast(m - m_safe, stats)), stats)  # rescale of the old state
+            l = cast(cast(f * l, stats) + tile_sum, stats)
+            acc = cast(cast(acc * f, acc_fmt) + pv, acc_fmt)
+            if acc_hp is not None:
+                acc_hp = acc_hp * f.to(acc_hp.dtype) + matmul(pbar, v[..., k0:k1, :], hp_fmt)
+            m = m_new
+        empty = l == 0  # every key masked: output 0 and lse = +inf (so that backward P = 0)
+        o = cast(acc / torch.where(empty, torch.ones_like(l), l), acc_fmt).masked_fill(empty, 0.0)
+        o_tiles.append(cast(o, policy.output))
+        lse = cast(cast(torch.log(l), policy.lse) + m, policy.lse)
+        lse_tiles.append(lse.masked_fill(empty, float("inf")))
+        if acc_hp is not None:
+            lw = l.to(acc_hp.dtype)
+            hp_tiles.append((acc_hp / torch.where(empty, torch.ones_like(lw), lw)).masked_fill(empty, 0.0))
+    o_hp = torch.cat(hp_tiles, dim=-2) if keep_highp_o else None
+    return torch.cat(o_tiles, dim=-2), torch.cat(lse_tiles, dim=-2), o_hp
+
+
+def _p_tile(qi, kj, lse_i, keep, bias, causal, q0, q1, k0, k1, scale, policy):
+    """Recompute P = exp(S - lse) for one tile in the ``p`` format (masked entries 0)."""
+    s = _scores(qi, kj, bias, q0, q1, k0, k1, scale, policy)
+    tk = _tile_keep(keep, causal, q0, q1, k0, k1, qi.device)
+    if tk is not None:
+        s = s.masked_fill(~tk, float("-inf"))
+    p = cast(torch.exp(cast(s - lse_i, policy.p)), policy.p)
+    if tk is not None:
+        p = p.masked_fill(~tk, 0.0)
+    return p
+
+
+def _delta(do, o, policy):
+    prod = cast(cast(do, policy.delta_product) * cast(o, policy.delta_product), policy.delta_product)
+    return rowsum(prod, policy.delta)
+
+
+def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, scale: float,
+                   policy: PrecisionPolicy, block_q: int, block_k: int):
+    """Gradients (dq, dk, dv) in ``policy.grad_accum`` storage. ``do`` is rounded to inputs."""
+    do = cast(do, policy.inputs)
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    acc = policy.grad_accum
+    q_tiles, k_tiles = tile_ranges(Tq, block_q), tile_ranges(Tk, block_k)
+
+    def hidden(q0, q1, k0, k1):
+        return causal and k0 > q1 - 1  # contributes exactly zero: skipped
+
+    # --- preprocess: delta = rowsum(dO * O), (B, H, T_q, 1) in the delta format
+    if policy.delta_source == "o_lowp":
+        delta = _delta(do, o, policy)
+    elif policy.delta_source == "o_highp":
+        delta = _delta(do, o_highp, policy)
+    else:  # "dp_p": delta = rowsum(dP * P), equal to rowsum(dO * O) in exact arithmetic
+        parts = []
+        for q0, q1 in q_tiles:
+            d = None
+            for k0, k1 in k_tiles:
+                if hidden(q0, q1, k0, k1):
+                    break
+                p = _p_tile(q[..., q0:q1, :], k[..., k0:k1, :], lse[..., q0:q1, :], keep, bias,
+                            causal, q0, q1, k0, k1, scale, policy)
+                dp = matmul(do[..., q0:q1, :], v[..., k0:k1, :].transpose(-2, -1), policy.dp)
+                prod = cast(cast(dp, policy.delta_product) * cast(p, policy.delta_product), policy.delta_product)
+                part = rowsum(prod, policy.delta)
+                d = part if d is None else cast(d + part, policy.delta)
+            parts.append(d)
+        delta = torch.cat(parts, dim=-2)
+
+    # Accumulators start at +0 and are always added to, as the reference code's are (this also
+    # keeps the sign of zero: +0 + -0 = +0).
+    def zeros(n, d):
+        return torch.zeros((*q.shape[:-2], n, d), dtype=storage_dtype(acc), device=q.device)
+
+    dq_tiles = [zeros(q1 - q0, q.shape[-1]) for q0, q1 in q_tiles]
+    dk_tiles, dv_tiles = [], []
+    # --- outer loop over key tiles: dK_j, dV_j stay local; dQ_i accumulates across j
+    for k0, k1 in k_tiles:
+        kj, vj = k[..., k0:k1, :], v[..., k0:k1, :]
+        dk_j, dv_j = zeros(k1 - k0, k.shape[-1]), zeros(k1 - k0, v.shape[-1])
+        for i, (q0, q1) in enumerate(q_tiles):
+            if hidden(q0, q1, k0, k1):
+                continue
+            qi, do_i = q[..., q0:q1, :], do[..., q0:q1, :]
+            p = _p_tile(qi, kj, lse[..., q0:q1, :], keep, bias, causal, q0, q1, k0, k1, scale, policy)
+            dv_j = cast(dv_j + matmul(cast(p, policy.pbar).transpose(-2, -1), do_i, policy.grad_partial), acc)
+            dp = matmul(do_i, vj.transpose(-2, -1), policy.dp)
+            ds = cast(cast(p * scale, policy.p) * cast(dp - delta[..., q0:q1, :], policy.p), policy.p)
+            ds = cast(ds, policy.ds)  # the matmul operand
+            dq_tiles[i] = cast(dq_tiles[i] + matmul(ds, kj, policy.grad_partial), acc)
+            dk_j = cast(dk_j + matmul(ds.transpose(-2, -1), qi, policy.grad_partial), acc)
+        dk_tiles.append(dk_j)
+        dv_tiles.append(dv_j)
+    return torch.cat(dq_tiles, dim=-2), torch.cat(dk_tiles, dim=-2), torch.cat(dv_tiles, dim=-2)

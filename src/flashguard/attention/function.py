@@ -1,0 +1,191 @@
+"""Public API: ``flash_attention`` (SDPA layout), an SDPA-compatible function, ``override_sdpa``.
+
+NaN / Inf inputs propagate as in torch SDPA: a NaN anywhere in a row's scores or in a V row
+that row attends to gives NaN in that output row (and in the gradients it reaches).
+Fully masked rows give 0 (SDPA's math backend gives NaN there; flash kernels give 0).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+
+import torch
+import torch.nn.functional as F
+
+from ..numerics.arith import cast
+from ..numerics.policy import PrecisionPolicy, get_policy
+from .flash import flash_backward, flash_forward
+from .stabilizers import Stabilizer, get_stabilizer
+
+__all__ = ["flash_attention", "scaled_dot_product_attention", "override_sdpa", "DEFAULT_BLOCK"]
+
+# Tile edge used when block_q / block_k are not given: the study's reference code uses 512,
+# and on CPU large tiles keep the Python loop short. Production GPU kernels use 64-128.
+DEFAULT_BLOCK = 512
+
+
+class _FlashAttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, keep, bias, causal, scale, policy, stabilizer, block_q, block_k):
+        with torch.autocast(q.device.type, enabled=False):
+            qc, kc, vc = (cast(t.detach(), policy.inputs) for t in (q, k, v))
+            o, lse, o_hp = flash_forward(
+                qc, kc, vc, keep=keep, bias=bias, causal=causal, scale=scale, policy=policy,
+                stabilizer=stabilizer, block_q=block_q, block_k=block_k,
+                keep_highp_o=policy.delta_source == "o_highp")
+        ctx.save_for_backward(qc, kc, vc, o, lse, o_hp, keep, bias)
+        ctx.meta = (causal, scale, policy, block_q, block_k, q.dtype, k.dtype, v.dtype)
+        return o.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        qc, kc, vc, o, lse, o_hp, keep, bias = ctx.saved_tensors
+        causal, scale, policy, block_q, block_k, qdt, kdt, vdt = ctx.meta
+        with torch.autocast(do.device.type, enabled=False):
+            dq, dk, dv = flash_backward(
+                qc, kc, vc, o, lse, do, o_hp, keep=keep, bias=bias, causal=causal, scale=scale,
+                policy=policy, block_q=block_q, block_k=block_k)
+        return dq.to(qdt), dk.to(kdt), dv.to(vdt), None, None, None, None, None, None, None, None
+
+
+def _check_block(name, value):
+    if value is None:
+        return DEFAULT_BLOCK
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def _check_inputs(q, k, v, attn_mask):
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq_len, head_dim), got shape {tuple(t.shape)}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[0] != k.shape[0] or k.shape[0] != v.shape[0]:
+        raise ValueError(f"batch sizes differ: query {q.shape[0]}, key {k.shape[0]}, value {v.shape[0]}")
+    if q.shape[1] != k.shape[1] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"head counts differ: query {q.shape[1]}, key {k.shape[1]}, value {v.shape[1]}"
+                         " (for grouped-query attention use scaled_dot_product_attention(..., enable_gqa=True))")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"query and key head dims differ: {q.shape[-1]} vs {k.shape[-1]}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"key and value sequence lengths differ: {k.shape[-2]} vs {v.shape[-2]}")
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device}, query on {q.device}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise TypeError(f"attn_mask must be bool (True = attend) or floating (added to scores), got {attn_mask.dtype}")
+    target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    try:
+        ok = attn_mask.dim() <= 4 and torch.broadcast_shapes(attn_mask.shape, target) == torch.Size(target)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                         f"(batch, heads, T_q, T_k) = {target}")
+
+
+def flash_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
+                    precision: "str | PrecisionPolicy" = "fa2",
+                    stabilizer: "str | Stabilizer" = "none",
+                    block_q: int | None = None, block_k: int | None = None) -> torch.Tensor:
+    """Flash attention with a chosen arithmetic.
+
+    q: (B, H, T_q, D), k: (B, H, T_k, D), v: (B, H, T_k, D_v) -> (B, H, T_q, D_v) in q's dtype.
+    ``attn_mask``: bool (True = attend) or float (added to the scores), broadcastable to
+    (B, H, T_q, T_k). ``is_causal``: top-left aligned, as torch SDPA. ``scale`` defaults to
+    1/sqrt(D). ``precision``: a preset name (``fp32``, ``paper``, ``fa2``, ``fa2-fp16``,
+    ``fa2-e4m3``, ``fa2-e5m2``, ``fp64``) or a PrecisionPolicy. ``stabilizer``: ``none``,
+    ``paper`` (``paper:beta=7,tol=1e-3``), ``safe`` or a Stabilizer. Tiles default to 512.
+    """
+    _check_inputs(q, k, v, attn_mask)
+    policy = get_policy(precision)
+    stab = get_stabilizer(stabilizer)
+    block_q, block_k = _check_block("block_q", block_q), _check_block("block_k", block_k)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    elif not isinstance(scale, numbers.Real) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    keep = bias = None
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            keep = attn_mask
+        else:
+            bias = attn_mask.detach()
+    return _FlashAttentionFn.apply(q, k, v, keep, bias, bool(is_causal), float(scale), policy, stab,
+                                   block_q, block_k)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, enable_gqa=False, **options):
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Accepts SDPA's (..., L, E) inputs with any number of leading dims and ``enable_gqa``;
+    ``options`` are ``flash_attention``'s (precision, stabilizer, block_q, block_k).
+    """
+    if dropout_p:
+        raise NotImplementedError(f"flashguard attention has no dropout; got dropout_p={dropout_p}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 2:
+            raise ValueError(f"{name} must have at least 2 dims (..., seq_len, head_dim), got shape {tuple(t.shape)}")
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        lead = query.shape[:-2]
+        q4 = query.reshape(-1, 1, *query.shape[-2:])
+        k4 = key.expand(*lead, *key.shape[-2:]).reshape(-1, 1, *key.shape[-2:])
+        v4 = value.expand(*lead, *value.shape[-2:]).reshape(-1, 1, *value.shape[-2:])
+        m4 = None
+        if attn_mask is not None:
+            m4 = attn_mask.expand(*lead, query.shape[-2], key.shape[-2]).reshape(-1, 1, query.shape[-2], key.shape[-2])
+        out = flash_attention(q4, k4, v4, attn_mask=m4, is_causal=is_causal, scale=scale, **options)
+        return out.reshape(*lead, *out.shape[-2:])
+    if enable_gqa and key.shape[1] != query.shape[1]:
+        if query.shape[1] % key.shape[1]:
+            raise ValueError(f"enable_gqa: query heads {query.shape[1]} not a multiple of key heads {key.shape[1]}")
+        rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+    return flash_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **options)
+
+
+@contextlib.contextmanager
+def override_sdpa(**options):
+    """Route every ``torch.nn.functional.scaled_dot_product_attention`` call through flashguard.
+
+    Works for any code that looks the function up at call time (nanoGPT, Hugging Face
+    transformers' sdpa attention, torch.nn.MultiheadAttention's fast path is *not* included).
+    Code that bound the function to another name before entering is not affected. The
+    original is restored on exit, also when the body raises.
+
+        with override_sdpa(precision="paper", stabilizer="safe"):
+            loss = model(x).loss
+    """
+    # validate eagerly so that a typo fails at the `with`, not at the first attention call
+    get_policy(options.get("precision", "fa2"))
+    get_stabilizer(options.get("stabilizer", "none"))
+    unknown = set(options) - {"precision", "stabilizer", "block_q", "block_k"}
+    if unknown:
+        raise TypeError(f"override_sdpa got unknown option(s) {sorted(unknown)}; "
+                        "expected precision, stabilizer, block_q, block_k")
+    original = F.scaled_dot_product_attention
+
+    def patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+        return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                            enable_gqa, **options)
+
+    patched.__wrapped__ = original
+    F.scaled_dot_product_attention = patched
+    try:
+        yield patched
+    finally:
+        F.scaled_dot_product_attention = original

@@ -1,0 +1,51 @@
+"""Arithmetic whose result is stored in a given format.
+
+Native formats (fp64, fp32, bf16, fp16) are computed by torch in that dtype: one op, one
+rounding, which is what a kernel that stores the result in that dtype does. Other formats
+are held in fp32 tensors ("storage") and rounded with ``round_to`` after each op, so an
+emulated op computes in fp32 and rounds once more to the target format.
+"""
+from __future__ import annotations
+
+import torch
+
+from .formats import FloatFormat, round_to
+
+__all__ = ["storage_dtype", "cast", "matmul", "rowsum"]
+
+
+def storage_dtype(fmt: FloatFormat) -> torch.dtype:
+    """The torch dtype that holds values of ``fmt``: its own dtype, or fp32 for emulated ones."""
+    return fmt.torch_dtype or torch.float32
+
+
+def cast(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Round ``x`` to ``fmt`` and return it in ``fmt``'s storage dtype (no copy if already there)."""
+    dt = fmt.torch_dtype
+    if dt is not None:
+        return x if x.dtype == dt else x.to(dt)
+    if x.dtype != torch.float32:
+        x = x.to(torch.float32)
+    return round_to(x, fmt)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """a @ b with a wide (fp32, or fp64 for fp64) accumulator and the result stored in ``fmt``.
+
+    When both operands already have ``fmt``'s own dtype the native matmul is used (bf16 gemm
+    accumulates in fp32 and rounds once). Otherwise the operands - whose values are exact in
+    fp32 - are multiplied in fp32 and the result rounded to ``fmt``.
+    """
+    dt = fmt.torch_dtype
+    if dt is not None and a.dtype == dt and b.dtype == dt:
+        return a @ b
+    wide = torch.float64 if dt == torch.float64 else torch.float32
+    return cast(a.to(wide) @ b.to(wide), fmt)
+
+
+def rowsum(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Sum over the last dim (kept), accumulated as torch does for ``fmt``'s dtype, stored in ``fmt``."""
+    dt = storage_dtype(fmt)
+    if x.dtype != dt:
+        x = x.to(torch.promote_types(x.dtype, dt))
+    return cast(x.sum(dim=-1, keepdim=True), fmt)

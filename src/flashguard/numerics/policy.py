@@ -1,0 +1,165 @@
+"""Precision policies: the numeric format of every intermediate of flash attention.
+
+A ``PrecisionPolicy`` names, for each value the FA2 algorithm produces, the format it is
+stored in. The attention in ``flashguard.attention.flash`` rounds each intermediate to its
+field's format right where the algorithm produces it. Formats torch can compute in (fp64,
+fp32, bf16, fp16) are computed natively - an op on bf16 tensors rounds once, exactly as a
+kernel storing a bf16 result does. Every other format (fp8, any ExMy) is held in fp32 and
+rounded with ``round_to`` after each op.
+
+Presets (``get_policy(name)``):
+
+* ``fp32``   every intermediate fp32: the high-precision baseline of every experiment.
+* ``paper``  the arithmetic of the study's reference code (pure-PyTorch FA2, everything a
+             bf16 tensor, bf16 running O / m / l, bf16 dq/dk/dv accumulators, 1e-10 floor
+             on tile row sums, every key tile visited).
+* ``fa2``    production kernels: fp32 scores, statistics and accumulators, Pbar rounded to
+             bf16 only as the PV matmul operand, O rounded to bf16 once.
+* ``fa2-fp16``, ``fa2-e4m3``, ``fa2-e5m2``: the same structure with that input / Pbar format.
+
+The study's backward ablations are single fields: ``delta_source`` ("o_lowp": delta from
+the stored low-precision O; "o_highp": from an fp32 copy of O accumulated beside it;
+"dp_p": delta = rowsum(dP * P)), and ``pv`` = fp32 for the PV product.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .formats import FloatFormat, get_format
+
+__all__ = ["PrecisionPolicy", "POLICIES", "get_policy", "DELTA_SOURCES"]
+
+DELTA_SOURCES = ("o_lowp", "o_highp", "dp_p")
+_MASKED_SCORES = ("inf", "finite")
+
+_FORMAT_FIELDS = (
+    "inputs", "scores", "stats", "pbar", "pv", "o_accum", "output", "lse",
+    "p", "dp", "ds", "delta_product", "delta", "grad_partial", "grad_accum",
+)
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Format of each attention intermediate. Strings are accepted and resolved to formats.
+
+    Forward, per (query tile, key tile):
+      S = round_scores(round_scores(q k^T) * scale)          ``scores``
+      m_new = max(m, stabilizer shift)                        ``stats``
+      Pbar = exp(S - m_new) computed in ``scores``, rounded to ``pbar`` for the PV matmul
+      l = f*l + rowsum(Pbar)  (rounded or unrounded Pbar:    ``row_sum_rounded``), ``stats``
+      PV = Pbar @ v                                           ``pv``
+      O = O*f + PV                                            ``o_accum``
+      final O = O / l                                         ``output``; lse = log l + m: ``lse``
+    Backward, per tile pair (dO is rounded to ``inputs``):
+      P = exp(S - lse)                                        ``p``
+      dV += P^T dO   (P enters as ``pbar``; product ``grad_partial``, sum ``grad_accum``)
+      dP = dO v^T                                             ``dp``
+      delta = rowsum(dO * O)   (product ``delta_product``, sum ``delta``; see delta_source)
+      dS = (P*scale) * (dP - delta)                           ``ds`` (computed in ``p``'s
+                                                               format when that is wider)
+      dQ += dS k, dK += dS^T q  (dS enters as ``ds``)         ``grad_partial``, ``grad_accum``
+    """
+
+    name: str = "custom"
+    # forward
+    inputs: FloatFormat | str = "bf16"
+    scores: FloatFormat | str = "fp32"
+    stats: FloatFormat | str = "fp32"
+    pbar: FloatFormat | str = "bf16"
+    pv: FloatFormat | str = "fp32"
+    o_accum: FloatFormat | str = "fp32"
+    output: FloatFormat | str = "bf16"
+    lse: FloatFormat | str = "fp32"
+    row_sum_rounded: bool = False      # l sums Pbar after rounding to ``pbar`` (fix of FA PR #2721)
+    row_sum_floor: float | None = None  # clamp each tile's row sum from below (reference: 1e-10)
+    visit_masked_tiles: bool = False   # also process key tiles the causal mask hides completely
+    masked_scores: str = "inf"         # forward value of masked scores: -inf or -max finite
+    # backward
+    p: FloatFormat | str = "fp32"
+    dp: FloatFormat | str = "fp32"
+    ds: FloatFormat | str = "bf16"
+    delta_product: FloatFormat | str = "fp32"
+    delta: FloatFormat | str = "fp32"
+    delta_source: str = "o_lowp"
+    grad_partial: FloatFormat | str = "fp32"
+    grad_accum: FloatFormat | str = "fp32"
+
+    def __post_init__(self):
+        for f in _FORMAT_FIELDS:
+            value = getattr(self, f)
+            try:
+                object.__setattr__(self, f, get_format(value))
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"PrecisionPolicy.{f}: {e}") from None
+        if self.delta_source not in DELTA_SOURCES:
+            raise ValueError(
+                f"PrecisionPolicy.delta_source must be one of {DELTA_SOURCES}, got {self.delta_source!r}")
+        if self.masked_scores not in _MASKED_SCORES:
+            raise ValueError(
+                f"PrecisionPolicy.masked_scores must be one of {_MASKED_SCORES}, got {self.masked_scores!r}")
+        if self.row_sum_floor is not None and not self.row_sum_floor > 0:
+            raise ValueError(f"PrecisionPolicy.row_sum_floor must be > 0 or None, got {self.row_sum_floor!r}")
+
+    def replace(self, **changes) -> "PrecisionPolicy":
+        """A copy with some fields changed (named ``<name>+custom`` unless ``name`` is given)."""
+        if "name" not in changes:
+            changes["name"] = self.name if self.name.endswith("+custom") else f"{self.name}+custom"
+        return dataclasses.replace(self, **changes)
+
+    def short_str(self) -> str:
+        """Compact description for run names: the name plus the fields that differ from it."""
+        base = POLICIES.get(self.name.removesuffix("+custom"))
+        if base is None:
+            base = PrecisionPolicy()
+        diffs = []
+        for f in dataclasses.fields(self):
+            if f.name == "name":
+                continue
+            a, b = getattr(self, f.name), getattr(base, f.name)
+            if a != b:
+                diffs.append(f"{f.name}={a}")
+        return self.name.removesuffix("+custom") + ("[" + ",".join(diffs) + "]" if diffs else "")
+
+    def to_dict(self) -> dict:
+        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), FloatFormat) else v)
+                for f in dataclasses.fields(self)}
+
+
+def _fa2(name: str, fmt: str) -> PrecisionPolicy:
+    # Production FlashAttention-2: inputs and the Pbar / dS matmul operands in the low format,
+    # everything else fp32; O rounded once at the end (to the input format, as kernels return).
+    out = fmt if fmt in ("bf16", "fp16") else "bf16"
+    return PrecisionPolicy(name=name, inputs=fmt, pbar=fmt, ds=fmt, output=out)
+
+
+POLICIES: dict[str, PrecisionPolicy] = {
+    "fp32": PrecisionPolicy(
+        name="fp32", inputs="fp32", scores="fp32", stats="fp32", pbar="fp32", pv="fp32",
+        o_accum="fp32", output="fp32", lse="fp32", p="fp32", dp="fp32", ds="fp32",
+        delta_product="fp32", delta="fp32", grad_partial="fp32", grad_accum="fp32"),
+    # every intermediate fp64: for gradcheck and exactness tests, not for speed
+    "fp64": PrecisionPolicy(
+        name="fp64", inputs="fp64", scores="fp64", stats="fp64", pbar="fp64", pv="fp64",
+        o_accum="fp64", output="fp64", lse="fp64", p="fp64", dp="fp64", ds="fp64",
+        delta_product="fp64", delta="fp64", grad_partial="fp64", grad_accum="fp64"),
+    "paper": PrecisionPolicy(
+        name="paper", inputs="bf16", scores="bf16", stats="bf16", pbar="bf16", pv="bf16",
+        o_accum="bf16", output="bf16", lse="bf16", row_sum_rounded=True, row_sum_floor=1e-10,
+        visit_masked_tiles=True, masked_scores="finite", p="bf16", dp="bf16", ds="bf16",
+        delta_product="bf16", delta="bf16", grad_partial="bf16", grad_accum="bf16"),
+    "fa2": _fa2("fa2", "bf16"),
+    "fa2-fp16": _fa2("fa2-fp16", "fp16"),
+    "fa2-e4m3": _fa2("fa2-e4m3", "e4m3"),
+    "fa2-e5m2": _fa2("fa2-e5m2", "e5m2"),
+}
+
+
+def get_policy(policy: "PrecisionPolicy | str") -> PrecisionPolicy:
+    """Resolve a preset name (or pass a policy through)."""
+    if isinstance(policy, PrecisionPolicy):
+        return policy
+    if isinstance(policy, str) and policy in POLICIES:
+        return POLICIES[policy]
+    raise ValueError(f"unknown precision policy {policy!r}; presets: {', '.join(POLICIES)}"
+                     " (or pass a PrecisionPolicy)")
