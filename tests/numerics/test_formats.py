@@ -589,6 +589,8 @@ REFERENCE_FORMATS = [
     (exmy(8, 5), torch.float32),
     (exmy(4, 3), torch.float32),
     (exmy(2, 1), torch.float32),
+    (exmy(3, 0), torch.float32),
+    (FloatFormat("e3m0fn", 3, 0, 3, False, "fn", "saturate"), torch.float32),
     (FloatFormat("e3m2nn", 3, 2, 3, False, "none", "saturate"), torch.float32),
     (FloatFormat("e5m2sat", 5, 2, 15, True, "ieee", "saturate"), torch.float32),
     (BIG_SUBNORMAL, torch.float32),
@@ -708,7 +710,7 @@ def test_stochastic_seed_reproducible_and_sign_of_zero():
     assert_bitwise_equal(a, b)
     assert not torch.equal(a, c)
     # negative values that round to zero keep -0.0, in every format and mode
-    tiny = torch.full((100_000,), -(2.0**-140))  # bf16 min subnormal is 2**-133
+    tiny = torch.full((20_000,), -(2.0**-140))  # bf16 min subnormal is 2**-133
     for fmt in (BF16, FP16, E4M3, E5M2):
         for mode in MODES:
             y = round_to(tiny, fmt, mode, generator=torch.Generator().manual_seed(3))
@@ -717,7 +719,7 @@ def test_stochastic_seed_reproducible_and_sign_of_zero():
                 assert bool(zero.all())
             assert bool(torch.signbit(y).all()), (fmt, mode)
             if mode == "stochastic":
-                assert 0 < int(zero.sum()) < 100_000 or fmt is not BF16
+                assert 0 < int(zero.sum()) < 20_000 or fmt is not BF16
     pos = round_to(tiny.neg(), E4M3, "stochastic", generator=torch.Generator().manual_seed(3))
     assert not bool(torch.signbit(pos).any())
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..numerics.arith import cast, matmul, rowsum, storage_dtype
-from ..numerics.formats import FP32, FP64
+from ..numerics.formats import FP32, FP64, round_to
 from ..numerics.policy import PrecisionPolicy
 from .stabilizers import Stabilizer
 
@@ -36,26 +36,41 @@ def _masked_value(policy: PrecisionPolicy) -> float:
     return float("-inf")
 
 
-def _tile_keep(keep, causal, q0, q1, k0, k1, device):
-    """Boolean keep-mask of one tile, or None when every entry takes part."""
+def _rounded(x: torch.Tensor, fmt) -> torch.Tensor:
+    """After an in-place op on a tensor held in ``fmt``'s storage: native formats are already
+    rounded by the op itself, emulated ones are rounded now."""
+    return x if fmt.is_native else round_to(x, fmt)
+
+
+def _operand(x: torch.Tensor, out_fmt) -> torch.Tensor:
+    """``x`` in the dtype a matmul producing ``out_fmt`` consumes (see numerics.arith.matmul):
+    converted once per call instead of once per tile."""
+    dt = out_fmt.torch_dtype
+    if dt is not None and x.dtype == dt:
+        return x
+    return x.to(torch.float64 if dt == torch.float64 else torch.float32)
+
+
+def _tile_hidden(hide, causal, q0, q1, k0, k1, device):
+    """Boolean mask of one tile, True where a key is hidden from a query; None if none is."""
     tile = None
-    if keep is not None:
-        tile = keep[..., q0:q1, k0:k1]
+    if hide is not None:
+        tile = hide[..., q0:q1, k0:k1]
     if causal and k1 - 1 > q0:  # some key of the tile lies after some query of the tile
         rows = torch.arange(q0, q1, device=device)[:, None]
         cols = torch.arange(k0, k1, device=device)[None, :]
-        c = cols <= rows
-        tile = c if tile is None else tile & c
+        c = cols > rows
+        tile = c if tile is None else tile | c
     return tile
 
 
 def _scores(qi, kj, bias, q0, q1, k0, k1, scale, policy):
-    """S = round(round(q k^T) * scale) (+ bias), in the scores format."""
+    """S = round(round(q k^T) * scale) (+ bias), in the scores format (a fresh tensor)."""
     fmt = policy.scores
     s = matmul(qi, kj.transpose(-2, -1), fmt)
-    s = cast(s * scale, fmt)
+    s = _rounded(s.mul_(scale), fmt)
     if bias is not None:
-        s = cast(s + bias[..., q0:q1, k0:k1].to(s.dtype), fmt)
+        s = _rounded(s.add_(bias[..., q0:q1, k0:k1].to(s.dtype)), fmt)
     return s
 
 
@@ -66,49 +81,73 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
     ``policy.lse`` storage (B, H, T_q, 1), and a high-precision (fp32, or fp64) copy of O (or None).
 
     ``observe``, if given, is called once per visited tile as ``observe(tile, **values)`` with
-    tile = (q0, q1, k0, k1) and the tile's ``s``, ``keep``, ``row_max``, ``m_new``, ``pbar``
+    tile = (q0, q1, k0, k1) and the tile's ``s``, ``hidden``, ``row_max``, ``m_new``, ``pbar``
     and ``pv``: the hook the diagnostics and the tests read the intermediates through."""
     B, H, Tq, _ = q.shape
     Tk, Dv = k.shape[-2], v.shape[-1]
     stats, acc_fmt = policy.stats, policy.o_accum
     fill = _masked_value(policy)
     m_init = float("-inf") if policy.masked_scores == "inf" else -stats.max_finite
-    o_tiles, lse_tiles, hp_tiles = [], [], []
+    hide = None if keep is None else ~keep
     # the high-precision copy of O: fp32, or fp64 when the policy itself accumulates in fp64
     hp_fmt = FP64 if storage_dtype(acc_fmt) == torch.float64 else FP32
+    q_mm, k_mm = _operand(q, policy.scores), _operand(k, policy.scores)
+    o_tiles, lse_tiles, hp_tiles = [], [], []
     for q0, q1 in tile_ranges(Tq, block_q):
-        qi = q[..., q0:q1, :]
+        qi = q_mm[..., q0:q1, :]
         n = q1 - q0
         m = torch.full((B, H, n, 1), m_init, dtype=storage_dtype(stats), device=q.device)
         l = torch.zeros((B, H, n, 1), dtype=storage_dtype(stats), device=q.device)
         acc = torch.zeros((B, H, n, Dv), dtype=storage_dtype(acc_fmt), device=q.device)
         acc_hp = torch.zeros((B, H, n, Dv), dtype=hp_fmt.torch_dtype, device=q.device) if keep_highp_o else None
         for k0, k1 in tile_ranges(Tk, block_k):
-            if causal and k0 > q1 - 1 and not policy.visit_masked_tiles:
+            fully_hidden = causal and k0 > q1 - 1
+            if fully_hidden and not policy.visit_masked_tiles:
                 break  # this and every later key tile is hidden from the whole query tile
-            s = _scores(qi, k[..., k0:k1, :], bias, q0, q1, k0, k1, scale, policy)  # (B, H, n, bk)
-            tk = _tile_keep(keep, causal, q0, q1, k0, k1, q.device)
-            if tk is not None:
-                s = s.masked_fill(~tk, fill)
+            if fully_hidden:
+                # Visited only for the reference arithmetic, where such a tile still moves the
+                # statistics: its block max is the fill value, its tie rule sees a row of equal
+                # values (at least two if the tile has two keys), and it adds the row-sum floor.
+                # A tile of min(2, keys) fill values makes every stabilizer decide the same and
+                # costs nothing; its Pbar is all zero, so PV is zero.
+                th = None
+                s = torch.full((B, H, n, min(2, k1 - k0)), fill, dtype=storage_dtype(policy.scores),
+                               device=q.device)
+            else:
+                th = _tile_hidden(hide, causal, q0, q1, k0, k1, q.device)
+                s = _scores(qi, k_mm[..., k0:k1, :], bias, q0, q1, k0, k1, scale, policy)  # (B, H, n, bk)
+                if th is not None:
+                    s.masked_fill_(th, fill)
             row_max = s.amax(dim=-1, keepdim=True)
             m_new = torch.maximum(stabilizer.shift(s, row_max, policy), m)
             # rows with nothing visible yet (all -inf) shift by 0 so that exp gives 0, not NaN
             m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
-            p_full = cast(torch.exp(cast(s - m_safe, policy.scores)), policy.scores)
-            if tk is not None:
-                p_full = p_full.masked_fill(~tk, 0.0)
+            if observe is not None:
+                s_seen = s.clone()
+            if fully_hidden:
+                p_full = torch.zeros_like(s)  # exp(fill - m) underflows, or is masked, everywhere
+            else:
+                p_full = _rounded(_rounded(s.sub_(m_safe), policy.scores).exp_(), policy.scores)  # consumes s
+                if th is not None and fill != float("-inf"):
+                    p_full.masked_fill_(th, 0.0)  # a finite fill gives exp(0) = 1 in fully masked rows
             pbar = cast(p_full, policy.pbar)
             tile_sum = rowsum(pbar if policy.row_sum_rounded else p_full, stats)
             if policy.row_sum_floor is not None:
-                tile_sum = cast(tile_sum.clamp(min=policy.row_sum_floor), stats)
-            pv = matmul(pbar, v[..., k0:k1, :], policy.pv)
+                tile_sum = _rounded(tile_sum.clamp_(min=policy.row_sum_floor), stats)
+            v_tile = v[..., k0:k1, :]
+            if fully_hidden:
+                pv = torch.zeros((B, H, n, Dv), dtype=storage_dtype(policy.pv), device=q.device)
+            else:
+                pv = matmul(pbar, v_tile, policy.pv)
             if observe is not None:
-                observe((q0, q1, k0, k1), s=s, keep=tk, row_max=row_max, m_new=m_new, pbar=pbar, pv=pv)
+                observe((q0, q1, k0, k1), s=s_seen, hidden=th, row_max=row_max, m_new=m_new, pbar=pbar, pv=pv)
             f = cast(torch.exp(cast(m - m_safe, stats)), stats)  # rescale of the old state
             l = cast(cast(f * l, stats) + tile_sum, stats)
             acc = cast(cast(acc * f, acc_fmt) + pv, acc_fmt)
             if acc_hp is not None:
-                acc_hp = acc_hp * f.to(acc_hp.dtype) + matmul(pbar, v[..., k0:k1, :], hp_fmt)
+                acc_hp = acc_hp * f.to(acc_hp.dtype)
+                if not fully_hidden:
+                    acc_hp = acc_hp + matmul(pbar, v_tile, hp_fmt)
             m = m_new
         empty = l == 0  # every key masked: output 0 and lse = +inf (so that backward P = 0)
         o = cast(acc / torch.where(empty, torch.ones_like(l), l), acc_fmt).masked_fill(empty, 0.0)
@@ -122,16 +161,16 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
     return torch.cat(o_tiles, dim=-2), torch.cat(lse_tiles, dim=-2), o_hp
 
 
-def _p_tile(qi, kj, lse_i, keep, bias, causal, q0, q1, k0, k1, scale, policy):
-    """Recompute P = exp(S - lse) for one tile in the ``p`` format (masked entries 0)."""
+def _p_tile(qi, kj, lse_i, hide, bias, causal, q0, q1, k0, k1, scale, policy):
+    """Recompute P = exp(S - lse) for one tile in the ``p`` format (masked entries 0: they
+    are -inf before exp; lse is never -inf, empty rows carry +inf)."""
     s = _scores(qi, kj, bias, q0, q1, k0, k1, scale, policy)
-    tk = _tile_keep(keep, causal, q0, q1, k0, k1, qi.device)
-    if tk is not None:
-        s = s.masked_fill(~tk, float("-inf"))
-    p = cast(torch.exp(cast(s - lse_i, policy.p)), policy.p)
-    if tk is not None:
-        p = p.masked_fill(~tk, 0.0)
-    return p
+    th = _tile_hidden(hide, causal, q0, q1, k0, k1, qi.device)
+    if th is not None:
+        s.masked_fill_(th, float("-inf"))
+    if s.dtype == storage_dtype(policy.p):
+        return _rounded(_rounded(s.sub_(lse_i), policy.p).exp_(), policy.p)
+    return cast(torch.exp(cast(s - lse_i, policy.p)), policy.p)
 
 
 def _delta(do, o, policy):
@@ -145,7 +184,12 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
     do = cast(do, policy.inputs)
     Tq, Tk = q.shape[-2], k.shape[-2]
     acc = policy.grad_accum
+    hide = None if keep is None else ~keep
     q_tiles, k_tiles = tile_ranges(Tq, block_q), tile_ranges(Tk, block_k)
+    # matmul operands, converted once: S = q k^T, dP = dO v^T, dV = P^T dO, dQ = dS k, dK = dS^T q
+    q_s, k_s = _operand(q, policy.scores), _operand(k, policy.scores)
+    do_dp, v_dp = _operand(do, policy.dp), _operand(v, policy.dp)
+    do_g, k_g, q_g = (_operand(t, policy.grad_partial) for t in (do, k, q))
 
     def hidden(q0, q1, k0, k1):
         return causal and k0 > q1 - 1  # contributes exactly zero: skipped
@@ -162,9 +206,9 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
             for k0, k1 in k_tiles:
                 if hidden(q0, q1, k0, k1):
                     break
-                p = _p_tile(q[..., q0:q1, :], k[..., k0:k1, :], lse[..., q0:q1, :], keep, bias,
+                p = _p_tile(q_s[..., q0:q1, :], k_s[..., k0:k1, :], lse[..., q0:q1, :], hide, bias,
                             causal, q0, q1, k0, k1, scale, policy)
-                dp = matmul(do[..., q0:q1, :], v[..., k0:k1, :].transpose(-2, -1), policy.dp)
+                dp = matmul(do_dp[..., q0:q1, :], v_dp[..., k0:k1, :].transpose(-2, -1), policy.dp)
                 prod = cast(cast(dp, policy.delta_product) * cast(p, policy.delta_product), policy.delta_product)
                 part = rowsum(prod, policy.delta)
                 d = part if d is None else cast(d + part, policy.delta)
@@ -176,23 +220,30 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
     def zeros(n, d):
         return torch.zeros((*q.shape[:-2], n, d), dtype=storage_dtype(acc), device=q.device)
 
+    def accumulate(total, part):
+        if total.dtype == part.dtype:
+            return _rounded(total.add_(part), acc)
+        return cast(total + part, acc)
+
     dq_tiles = [zeros(q1 - q0, q.shape[-1]) for q0, q1 in q_tiles]
     dk_tiles, dv_tiles = [], []
     # --- outer loop over key tiles: dK_j, dV_j stay local; dQ_i accumulates across j
     for k0, k1 in k_tiles:
-        kj, vj = k[..., k0:k1, :], v[..., k0:k1, :]
         dk_j, dv_j = zeros(k1 - k0, k.shape[-1]), zeros(k1 - k0, v.shape[-1])
         for i, (q0, q1) in enumerate(q_tiles):
             if hidden(q0, q1, k0, k1):
                 continue
-            qi, do_i = q[..., q0:q1, :], do[..., q0:q1, :]
-            p = _p_tile(qi, kj, lse[..., q0:q1, :], keep, bias, causal, q0, q1, k0, k1, scale, policy)
-            dv_j = cast(dv_j + matmul(cast(p, policy.pbar).transpose(-2, -1), do_i, policy.grad_partial), acc)
-            dp = matmul(do_i, vj.transpose(-2, -1), policy.dp)
-            ds = cast(cast(p * scale, policy.p) * cast(dp - delta[..., q0:q1, :], policy.p), policy.p)
-            ds = cast(ds, policy.ds)  # the matmul operand
-            dq_tiles[i] = cast(dq_tiles[i] + matmul(ds, kj, policy.grad_partial), acc)
-            dk_j = cast(dk_j + matmul(ds.transpose(-2, -1), qi, policy.grad_partial), acc)
+            p = _p_tile(q_s[..., q0:q1, :], k_s[..., k0:k1, :], lse[..., q0:q1, :], hide, bias, causal,
+                        q0, q1, k0, k1, scale, policy)
+            p_mm = _operand(cast(p, policy.pbar), policy.grad_partial)
+            dv_j = accumulate(dv_j, matmul(p_mm.transpose(-2, -1), do_g[..., q0:q1, :], policy.grad_partial))
+            dp = matmul(do_dp[..., q0:q1, :], v_dp[..., k0:k1, :].transpose(-2, -1), policy.dp)
+            # dS = (P * scale) * (dP - delta), each op rounded to the p format, in place
+            dp_minus = cast(_rounded(dp.sub_(delta[..., q0:q1, :]), policy.dp), policy.p)
+            ds = _rounded(_rounded(p.mul_(scale), policy.p).mul_(dp_minus), policy.p)
+            ds = _operand(cast(ds, policy.ds), policy.grad_partial)  # the matmul operand
+            dq_tiles[i] = accumulate(dq_tiles[i], matmul(ds, k_g[..., k0:k1, :], policy.grad_partial))
+            dk_j = accumulate(dk_j, matmul(ds.transpose(-2, -1), q_g[..., q0:q1, :], policy.grad_partial))
         dk_tiles.append(dk_j)
         dv_tiles.append(dv_j)
     return torch.cat(dq_tiles, dim=-2), torch.cat(dk_tiles, dim=-2), torch.cat(dv_tiles, dim=-2)

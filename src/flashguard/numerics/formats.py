@@ -336,8 +336,15 @@ def round_to(
     Returns a new tensor of ``x``'s dtype if that dtype holds every value of ``fmt``,
     otherwise of float32 (or float64 if float32 does not either); ``x`` is upcast
     exactly first, so rounding always happens once, from the input value.
+
+    ``x`` must be float64, float32, bfloat16 or float16 (TypeError otherwise); ``mode``
+    one of ``ROUNDING_MODES`` (ValueError otherwise).  ``generator`` (a torch.Generator
+    on ``x``'s device) drives ``"stochastic"`` and is ignored by the other modes.  The
+    result is detached from autograd (use ``x + (round_to(x, f) - x).detach()`` for a
+    straight-through estimator).  Runs on any device; no Python loop over elements.
     """
     _check_input(x)
+    x = x.detach()  # rounding is not differentiable; callers add a straight-through path
     fmt = get_format(fmt)
     if mode not in ROUNDING_MODES:
         raise ValueError(f"unknown rounding mode mode={mode!r}; expected one of {ROUNDING_MODES}")
@@ -372,7 +379,6 @@ def _round_generic(
     """Round float32/float64 ``x`` to ``fmt`` (whose values all lie in ``x.dtype``)."""
     itype, M, B = _LAYOUT[x.dtype]
     m = fmt.mantissa_bits
-    exp_mask = torch.tensor(((2 * B + 1) << M), dtype=itype, device=x.device)
 
     # Spacing of fmt's grid at x: 2**(max(e, emin) - m) where 2**e <= |x| < 2**(e+1),
     # with no upper clamp (rounding on a grid unbounded above; overflow handled below).
@@ -380,7 +386,7 @@ def _round_generic(
     # fmt's emin (>= the compute dtype's emin); inf/NaN (field 2B+1) clamp to the top
     # finite field so the spacing stays finite.
     lo = fmt.emin + B  # biased field of fmt's smallest normal exponent, >= 1
-    field = torch.bitwise_and(x.view(itype), exp_mask).clamp_(lo << M, (2 * B) << M)
+    field = torch.bitwise_and(x.view(itype), (2 * B + 1) << M).clamp_(lo << M, (2 * B) << M)
     if lo - m >= 1:
         # every spacing is a normal number of the compute dtype
         ulp = field.sub_(m << M).view(x.dtype)

@@ -1,0 +1,169 @@
+"""Forward+backward time and peak memory of flashguard attention against torch SDPA.
+
+    python benchmarks/attention.py                      # T = 1024 and 4096, all presets
+    python benchmarks/attention.py --sizes 1024 --repeats 5
+    python benchmarks/attention.py --reference /path/to/attention.py   # + the study's code
+
+Shape (B=2, H=12, T, D=64), bf16 inputs, causal. Every configuration is timed in the same
+process, interleaved round-robin (so that drift of a shared machine hits all alike), and the
+median is reported with its ratio to torch's scaled_dot_product_attention measured in the
+same run; stabilizer overheads compare the minimum of the runs (the least disturbed one),
+which is steadier than the median on a shared 2-core machine. Peak memory is measured in a fresh subprocess per configuration (growth of the
+peak resident set over one forward+backward, inputs excluded) and compared with math
+attention (softmax(QK^T)V materialised, in bf16). Targets from the core issue are printed
+with PASS / MISS.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+from flashguard.attention import flash_attention, reference_attention
+
+B, H, D = 2, 12, 64
+PRESETS = ["fp32", "paper", "fa2"]
+STABILIZERS = ["none", "paper", "safe"]
+
+
+def load_reference_code(path):
+    spec = importlib.util.spec_from_file_location("reference_attention_code", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    fn = mod.FlashAttentionFunction
+    return lambda q, k, v: fn.apply(q, k, v, None, True, 512, 512)
+
+
+def make_fn(name: str, reference_path: str | None):
+    if name == "sdpa":
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if name == "math":
+        return lambda q, k, v: reference_attention(q, k, v, is_causal=True, dtype=torch.bfloat16)
+    if name == "reference-code":
+        return load_reference_code(reference_path)
+    preset, stab = name.split("/")
+    return lambda q, k, v: flash_attention(q, k, v, is_causal=True, precision=preset, stabilizer=stab)
+
+
+def inputs(t: int):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(B, H, t, D, generator=g).bfloat16() for _ in range(4)]
+
+
+def fwd_bwd(fn, q, k, v, do):
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    fn(*leaves).backward(do)
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+class PeakSampler(threading.Thread):
+    """Samples the resident set every 0.2 ms. (ru_maxrss cannot be used: the high-water mark
+    of importing torch is higher than the working set of a T=1024 attention.)"""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.peak, self.running = rss_mib(), True
+
+    def run(self):
+        while self.running:
+            self.peak = max(self.peak, rss_mib())
+            time.sleep(0.0002)
+
+
+def measure_memory(name: str, t: int, reference_path: str | None) -> float:
+    """MiB by which one forward+backward raises the peak RSS of a fresh process."""
+    cmd = [sys.executable, __file__, "--_memory", name, str(t)]
+    if reference_path:
+        cmd += ["--reference", reference_path]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ.copy())
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _memory_child(name: str, t: int, reference_path: str | None) -> None:
+    q, k, v, do = inputs(t)
+    fn = make_fn(name, reference_path)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    before = rss_mib()
+    sampler = PeakSampler()
+    sampler.start()
+    fn(*leaves).backward(do)
+    sampler.running = False
+    sampler.join()
+    print(max(sampler.peak, rss_mib()) - before)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="1024,4096", help="comma-separated sequence lengths")
+    ap.add_argument("--repeats", type=int, default=7, help="timed runs per configuration (T=4096 and up: half)")
+    ap.add_argument("--reference", help="path to the study's attention.py, to time it too")
+    ap.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
+    ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--_memory", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._memory:
+        _memory_child(args._memory[0], int(args._memory[1]), args.reference)
+        return
+    names = ["sdpa", "math"] + (["reference-code"] if args.reference else [])
+    names += [f"{p}/{s}" for p in PRESETS for s in STABILIZERS]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {torch.backends.cpu.get_cpu_capability()}")
+    results = {}
+    for t in (int(x) for x in args.sizes.split(",")):
+        q, k, v, do = inputs(t)
+        fns = {n: make_fn(n, args.reference) for n in names}
+        times = {n: [] for n in names}
+        for n in names:  # warm-up
+            fwd_bwd(fns[n], q, k, v, do)
+        for _ in range(args.repeats if t < 4096 else max(2, args.repeats // 2)):
+            for n in names:
+                t0 = time.perf_counter()
+                fwd_bwd(fns[n], q, k, v, do)
+                times[n].append(time.perf_counter() - t0)
+        med = {n: statistics.median(ts) for n, ts in times.items()}
+        best = {n: min(ts) for n, ts in times.items()}
+        mem = {} if args.no_memory else {n: measure_memory(n, t, args.reference) for n in names}
+        print(f"\n(B={B}, H={H}, T={t}, D={D}) bf16 causal, forward+backward, {len(times['sdpa'])} runs each")
+        print(f"{'config':<16}{'median s':>9}{'x SDPA':>8}{'min s':>8}{'x none':>8}{'peak MiB':>10}{'x math':>8}")
+        for n in names:
+            base = best.get(n.split("/")[0] + "/none") if "/" in n else None
+            line = f"{n:<16}{med[n]:>9.3f}{med[n] / med['sdpa']:>8.2f}{best[n]:>8.3f}"
+            line += f"{best[n] / base:>8.3f}" if base else f"{'':>8}"
+            if mem:
+                line += f"{mem[n]:>10.0f}{mem[n] / max(mem['math'], 1e-9):>8.2f}"
+            print(line)
+        results[t] = {"median_s": med, "min_s": best, "times_s": times, "peak_mib": mem}
+        checks = [("fa2 within 1.5x of SDPA time", med["fa2/none"] / med["sdpa"] <= 1.5)]
+        for preset in PRESETS:
+            checks += [(f"paper stabilizer <= 10% over none ({preset} preset)",
+                        best[f"{preset}/paper"] / best[f"{preset}/none"] <= 1.10),
+                       (f"safe stabilizer <= 3% over none ({preset} preset)",
+                        best[f"{preset}/safe"] / best[f"{preset}/none"] <= 1.03)]
+        if "reference-code" in med:
+            checks.append(("paper preset at least as fast as the reference code",
+                           med["paper/none"] <= med["reference-code"]))
+        if mem and t >= 4096:
+            checks.append(("fa2 extra memory <= 1/4 of math attention", mem["fa2/none"] <= mem["math"] / 4))
+        for what, ok in checks:
+            print(f"  {'PASS' if ok else 'MISS'}  {what}")
+        results[t]["checks"] = dict(checks)
+    if args.json:
+        with open(args.json + ".tmp", "w") as f:
+            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "results": results}, f, indent=1)
+        os.replace(args.json + ".tmp", args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Experiments: each claim of the study as a measurement with a verdict."""

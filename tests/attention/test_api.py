@@ -1,0 +1,136 @@
+"""Public API: argument checking, the SDPA drop-in and override_sdpa."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashguard.attention import flash_attention, override_sdpa, scaled_dot_product_attention
+from flashguard.numerics import PrecisionPolicy
+
+X = torch.randn(2, 3, 10, 8)
+
+
+@pytest.mark.parametrize("kwargs,exc,msg", [
+    (dict(q=torch.randn(3, 10, 8)), ValueError, "query must be 4-D"),
+    (dict(k=torch.randn(2, 3, 10)), ValueError, "key must be 4-D"),
+    (dict(k=torch.randn(1, 3, 10, 8)), ValueError, "batch sizes differ"),
+    (dict(v=torch.randn(2, 2, 10, 8)), ValueError, "head counts differ"),
+    (dict(k=torch.randn(2, 3, 10, 7)), ValueError, "head dims differ"),
+    (dict(v=torch.randn(2, 3, 11, 8)), ValueError, "sequence lengths differ"),
+    (dict(q=torch.ones(2, 3, 10, 8, dtype=torch.int32)), TypeError, "query must have a floating dtype"),
+    (dict(v=[1.0]), TypeError, "value must be a torch.Tensor"),
+    (dict(k=torch.randn(2, 3, 10, 8, device="meta")), ValueError, "one device"),
+    (dict(attn_mask=torch.ones(10, 9, dtype=torch.bool)), ValueError, "attn_mask of shape"),
+    (dict(attn_mask=torch.ones(2, 3, 10, 10, 1, dtype=torch.bool)), ValueError, "attn_mask of shape"),
+    (dict(attn_mask=torch.ones(10, 10, dtype=torch.int64)), TypeError, "attn_mask must be bool"),
+    (dict(block_q=0), ValueError, "block_q must be an integer >= 1"),
+    (dict(block_k=2.5), ValueError, "block_k must be an integer >= 1"),
+    (dict(precision="bf17"), ValueError, "unknown precision policy"),
+    (dict(stabilizer="magic"), ValueError, "unknown stabilizer"),
+    (dict(scale="big"), TypeError, "scale must be a float"),
+])
+def test_bad_input_names_the_problem(kwargs, exc, msg):
+    args = dict(q=X, k=X, v=X)
+    args.update(kwargs)
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    with pytest.raises(exc, match=msg):
+        flash_attention(q, k, v, **args)
+
+
+def test_policy_fields_are_validated():
+    with pytest.raises(ValueError, match="PrecisionPolicy.scores"):
+        PrecisionPolicy(scores="fp7")
+    with pytest.raises(ValueError, match="delta_source"):
+        PrecisionPolicy(delta_source="magic")
+    with pytest.raises(ValueError, match="row_sum_floor"):
+        PrecisionPolicy(row_sum_floor=0.0)
+
+
+def test_sdpa_dropin_matches_torch_on_3d_gqa_and_masks():
+    q, k, v = torch.randn(4, 10, 8), torch.randn(4, 12, 8), torch.randn(4, 12, 8)
+    mask = torch.rand(10, 12) > 0.3
+    ours = scaled_dot_product_attention(q, k, v, attn_mask=mask, precision="fp32")
+    torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=1e-5, atol=1e-6)
+    q4, k4 = torch.randn(2, 6, 10, 8), torch.randn(2, 2, 10, 8)
+    ours = scaled_dot_product_attention(q4, k4, k4, is_causal=True, enable_gqa=True, precision="fp32")
+    ref = F.scaled_dot_product_attention(q4, k4, k4, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+
+class TinyAttention(torch.nn.Module):
+    """Looks the function up at call time, as nanoGPT and Hugging Face do."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+
+def test_override_routes_calls_and_restores():
+    original = F.scaled_dot_product_attention
+    model, x = TinyAttention(), torch.randn(2, 7, 16)
+    calls = []
+    import flashguard.attention.function as fn
+    real = fn.flash_attention
+
+    def spy(*a, **kw):
+        calls.append(kw["precision"])
+        return real(*a, **kw)
+
+    fn.flash_attention = spy
+    try:
+        with override_sdpa(precision="paper", stabilizer="safe"):
+            assert F.scaled_dot_product_attention is not original
+            loss = model(x)
+            loss.backward()
+    finally:
+        fn.flash_attention = real
+    assert calls == ["paper"]
+    assert F.scaled_dot_product_attention is original
+    assert model.qkv.weight.grad is not None and torch.isfinite(model.qkv.weight.grad).all()
+    # same result as calling flashguard directly
+    q, k, v = model.qkv(x).view(2, 7, 3, 2, 8).permute(2, 0, 3, 1, 4)
+    with override_sdpa(precision="paper", stabilizer="safe"):
+        via = model(x)
+    direct = flash_attention(q, k, v, is_causal=True, precision="paper", stabilizer="safe").sum()
+    assert torch.equal(via, direct)
+
+
+def test_override_restores_on_exception_and_rejects_bad_options():
+    original = F.scaled_dot_product_attention
+    with pytest.raises(RuntimeError, match="boom"):
+        with override_sdpa(precision="fa2"):
+            raise RuntimeError("boom")
+    assert F.scaled_dot_product_attention is original
+    with pytest.raises(ValueError, match="unknown precision"):
+        with override_sdpa(precision="nope"):
+            pass
+    with pytest.raises(TypeError, match="unknown option"):
+        with override_sdpa(precison="fa2"):
+            pass
+    assert F.scaled_dot_product_attention is original
+
+
+def test_override_reaches_multihead_attention():
+    # torch.nn.MultiheadAttention calls the module-level name inside torch.nn.functional
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    plain = mha(x, x, x, need_weights=False)[0]
+    with override_sdpa(precision="fa2-e5m2"):
+        coarse = mha(x, x, x, need_weights=False)[0]
+    assert not torch.equal(plain, coarse)  # went through the fp8 emulation
+    torch.testing.assert_close(coarse, plain, rtol=0.3, atol=0.3)
+
+
+def test_autocast_does_not_leak_into_the_fp32_policy():
+    q, k, v = (torch.randn(1, 2, 33, 16) for _ in range(3))
+    plain = flash_attention(q, k, v, precision="fp32")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = flash_attention(q, k, v, precision="fp32")
+    assert inside.dtype == torch.float32 and torch.equal(plain, inside)
