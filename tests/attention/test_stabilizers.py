@@ -131,3 +131,13 @@ def test_get_stabilizer_parses_options_and_rejects_bad_ones():
             get_stabilizer(bad)
     with pytest.raises(TypeError):
         get_stabilizer(3)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 64, 512, 2040, 2048, 3000])
+def test_count_true_matches_a_plain_sum(n):
+    from flashguard.attention.stabilizers import count_true
+    g = torch.Generator().manual_seed(n)
+    for density in (0.0, 0.01, 0.5, 1.0):
+        mask = torch.rand(3, 5, n, generator=g) < density
+        assert torch.equal(count_true(mask), mask.sum(-1, keepdim=True).to(torch.int32))
+    assert torch.equal(count_true(mask[..., ::2]), mask[..., ::2].sum(-1, keepdim=True).to(torch.int32))

@@ -42,13 +42,34 @@ def _rounded(x: torch.Tensor, fmt) -> torch.Tensor:
     return x if fmt.is_native else round_to(x, fmt)
 
 
-def _operand(x: torch.Tensor, out_fmt) -> torch.Tensor:
-    """``x`` in the dtype a matmul producing ``out_fmt`` consumes (see numerics.arith.matmul):
-    converted once per call instead of once per tile."""
+def _operand_dtype(x: torch.Tensor, out_fmt) -> torch.dtype:
+    """The dtype a matmul producing ``out_fmt`` consumes ``x`` in (see numerics.arith.matmul):
+    its own when that is the format's dtype, else the wide accumulation dtype."""
     dt = out_fmt.torch_dtype
     if dt is not None and x.dtype == dt:
-        return x
-    return x.to(torch.float64 if dt == torch.float64 else torch.float32)
+        return dt
+    return torch.float64 if dt == torch.float64 else torch.float32
+
+
+def _operand(x: torch.Tensor, out_fmt) -> torch.Tensor:
+    return x.to(_operand_dtype(x, out_fmt))
+
+
+class _Operands:
+    """``_operand`` for whole inputs: converted once per call instead of once per tile, and
+    each (tensor, dtype) once, so that q feeding two fp32-output matmuls has one fp32 copy."""
+
+    def __init__(self):
+        self._cache = {}
+
+    def __call__(self, x: torch.Tensor, out_fmt) -> torch.Tensor:
+        want = _operand_dtype(x, out_fmt)
+        if x.dtype == want:
+            return x
+        key = (id(x), want)
+        if key not in self._cache:
+            self._cache[key] = (x, x.to(want))  # x kept alive so that its id stays unique
+        return self._cache[key][1]
 
 
 def _tile_hidden(hide, causal, q0, q1, k0, k1, device):
@@ -91,7 +112,8 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
     hide = None if keep is None else ~keep
     # the high-precision copy of O: fp32, or fp64 when the policy itself accumulates in fp64
     hp_fmt = FP64 if storage_dtype(acc_fmt) == torch.float64 else FP32
-    q_mm, k_mm = _operand(q, policy.scores), _operand(k, policy.scores)
+    operand = _Operands()
+    q_mm, k_mm = operand(q, policy.scores), operand(k, policy.scores)
     o_tiles, lse_tiles, hp_tiles = [], [], []
     for q0, q1 in tile_ranges(Tq, block_q):
         qi = q_mm[..., q0:q1, :]
@@ -187,9 +209,10 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
     hide = None if keep is None else ~keep
     q_tiles, k_tiles = tile_ranges(Tq, block_q), tile_ranges(Tk, block_k)
     # matmul operands, converted once: S = q k^T, dP = dO v^T, dV = P^T dO, dQ = dS k, dK = dS^T q
-    q_s, k_s = _operand(q, policy.scores), _operand(k, policy.scores)
-    do_dp, v_dp = _operand(do, policy.dp), _operand(v, policy.dp)
-    do_g, k_g, q_g = (_operand(t, policy.grad_partial) for t in (do, k, q))
+    operand = _Operands()
+    q_s, k_s = operand(q, policy.scores), operand(k, policy.scores)
+    do_dp, v_dp = operand(do, policy.dp), operand(v, policy.dp)
+    do_g, k_g, q_g = (operand(t, policy.grad_partial) for t in (do, k, q))
 
     def hidden(q0, q1, k0, k1):
         return causal and k0 > q1 - 1  # contributes exactly zero: skipped
