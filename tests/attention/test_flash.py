@@ -184,3 +184,20 @@ def test_delta_sources_agree_in_high_precision_and_differ_in_bf16():
     dqs = [_run(flash_attention, qb, kb, vb, dob, precision=get_policy("paper").replace(delta_source=s),
                 is_causal=True, block_q=16, block_k=16)[1] for s in ("o_lowp", "o_highp", "dp_p")]
     assert not torch.equal(dqs[0], dqs[1]) and not torch.equal(dqs[0], dqs[2])
+
+
+def test_softcap_matches_reference_and_gradchecks():
+    q, k, v, do = _inputs(2, 2, 40, 40, 16, torch.float32, seed=9)
+    q = q * 4  # large scores, so that the cap bites
+    refs = _run(reference_attention, q.double(), k.double(), v.double(), do.double(), is_causal=True, softcap=2.0)
+    got = _run(flash_attention, q, k, v, do, is_causal=True, precision="fp32", softcap=2.0, block_q=16, block_k=16)
+    plain = _run(flash_attention, q, k, v, do, is_causal=True, precision="fp32", block_q=16, block_k=16)
+    for a, r, p in zip(got, refs, plain):
+        assert (a.double() - r).abs().max() <= 1e-5 * r.abs().max().clamp(min=1.0)
+        assert (p.double() - r).abs().max() > 1e-2  # the cap changed the result
+    g = torch.Generator().manual_seed(0)
+    leaves = tuple(torch.randn(1, 1, 6, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: flash_attention(q, k, v, precision="fp64", softcap=0.7, block_q=4, block_k=2), leaves)
+    with pytest.raises(ValueError, match="softcap"):
+        flash_attention(q, k, v, softcap=-1.0)

@@ -85,19 +85,27 @@ def _tile_hidden(hide, causal, q0, q1, k0, k1, device):
     return tile
 
 
-def _scores(qi, kj, bias, q0, q1, k0, k1, scale, policy):
-    """S = round(round(q k^T) * scale) (+ bias), in the scores format (a fresh tensor)."""
+def _scores(qi, kj, bias, q0, q1, k0, k1, scale, policy, softcap=None, want_tanh=False):
+    """S = round(round(q k^T) * scale), soft-capped to cap * tanh(S / cap) if ``softcap``,
+    plus ``bias``; in the scores format, a fresh tensor. With ``want_tanh`` also returns the
+    tanh (for the soft-cap's derivative in backward), else None."""
     fmt = policy.scores
     s = matmul(qi, kj.transpose(-2, -1), fmt)
     s = _rounded(s.mul_(scale), fmt)
+    t = None
+    if softcap is not None:
+        t = _rounded(_rounded(s.div_(softcap), fmt).tanh_(), fmt)
+        s = _rounded(t * softcap, fmt)
+        if not want_tanh:
+            t = None
     if bias is not None:
         s = _rounded(s.add_(bias[..., q0:q1, k0:k1].to(s.dtype)), fmt)
-    return s
+    return s, t
 
 
 def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: PrecisionPolicy,
                   stabilizer: Stabilizer, block_q: int, block_k: int, keep_highp_o: bool = False,
-                  observe=None):
+                  softcap: float | None = None, observe=None):
     """Returns (o, lse, o_highp): O in ``policy.output`` storage (B, H, T_q, D_v), lse in
     ``policy.lse`` storage (B, H, T_q, 1), and a high-precision (fp32, or fp64) copy of O (or None).
 
@@ -137,7 +145,7 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
                                device=q.device)
             else:
                 th = _tile_hidden(hide, causal, q0, q1, k0, k1, q.device)
-                s = _scores(qi, k_mm[..., k0:k1, :], bias, q0, q1, k0, k1, scale, policy)  # (B, H, n, bk)
+                s, _ = _scores(qi, k_mm[..., k0:k1, :], bias, q0, q1, k0, k1, scale, policy, softcap)  # (B, H, n, bk)
                 if th is not None:
                     s.masked_fill_(th, fill)
             row_max = s.amax(dim=-1, keepdim=True)
@@ -183,16 +191,20 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
     return torch.cat(o_tiles, dim=-2), torch.cat(lse_tiles, dim=-2), o_hp
 
 
-def _p_tile(qi, kj, lse_i, hide, bias, causal, q0, q1, k0, k1, scale, policy):
+def _p_tile(qi, kj, lse_i, hide, bias, causal, q0, q1, k0, k1, scale, policy, softcap=None):
     """Recompute P = exp(S - lse) for one tile in the ``p`` format (masked entries 0: they
-    are -inf before exp; lse is never -inf, empty rows carry +inf)."""
-    s = _scores(qi, kj, bias, q0, q1, k0, k1, scale, policy)
+    are -inf before exp; lse is never -inf, empty rows carry +inf). Also returns the soft-cap
+    derivative 1 - tanh^2 in the ``p`` format (None without soft-capping)."""
+    s, t = _scores(qi, kj, bias, q0, q1, k0, k1, scale, policy, softcap, want_tanh=True)
+    dcap = None if t is None else cast(1.0 - cast(t * t, policy.p), policy.p)
     th = _tile_hidden(hide, causal, q0, q1, k0, k1, qi.device)
     if th is not None:
         s.masked_fill_(th, float("-inf"))
     if s.dtype == storage_dtype(policy.p):
-        return _rounded(_rounded(s.sub_(lse_i), policy.p).exp_(), policy.p)
-    return cast(torch.exp(cast(s - lse_i, policy.p)), policy.p)
+        p = _rounded(_rounded(s.sub_(lse_i), policy.p).exp_(), policy.p)
+    else:
+        p = cast(torch.exp(cast(s - lse_i, policy.p)), policy.p)
+    return p, dcap
 
 
 def _delta(do, o, policy):
@@ -201,7 +213,7 @@ def _delta(do, o, policy):
 
 
 def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, scale: float,
-                   policy: PrecisionPolicy, block_q: int, block_k: int):
+                   policy: PrecisionPolicy, block_q: int, block_k: int, softcap: float | None = None):
     """Gradients (dq, dk, dv) in ``policy.grad_accum`` storage. ``do`` is rounded to inputs."""
     do = cast(do, policy.inputs)
     Tq, Tk = q.shape[-2], k.shape[-2]
@@ -229,8 +241,8 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
             for k0, k1 in k_tiles:
                 if hidden(q0, q1, k0, k1):
                     break
-                p = _p_tile(q_s[..., q0:q1, :], k_s[..., k0:k1, :], lse[..., q0:q1, :], hide, bias,
-                            causal, q0, q1, k0, k1, scale, policy)
+                p, _ = _p_tile(q_s[..., q0:q1, :], k_s[..., k0:k1, :], lse[..., q0:q1, :], hide, bias,
+                               causal, q0, q1, k0, k1, scale, policy, softcap)
                 dp = matmul(do_dp[..., q0:q1, :], v_dp[..., k0:k1, :].transpose(-2, -1), policy.dp)
                 prod = cast(cast(dp, policy.delta_product) * cast(p, policy.delta_product), policy.delta_product)
                 part = rowsum(prod, policy.delta)
@@ -256,14 +268,16 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
         for i, (q0, q1) in enumerate(q_tiles):
             if hidden(q0, q1, k0, k1):
                 continue
-            p = _p_tile(q_s[..., q0:q1, :], k_s[..., k0:k1, :], lse[..., q0:q1, :], hide, bias, causal,
-                        q0, q1, k0, k1, scale, policy)
+            p, dcap = _p_tile(q_s[..., q0:q1, :], k_s[..., k0:k1, :], lse[..., q0:q1, :], hide, bias, causal,
+                              q0, q1, k0, k1, scale, policy, softcap)
             p_mm = _operand(cast(p, policy.pbar), policy.grad_partial)
             dv_j = accumulate(dv_j, matmul(p_mm.transpose(-2, -1), do_g[..., q0:q1, :], policy.grad_partial))
             dp = matmul(do_dp[..., q0:q1, :], v_dp[..., k0:k1, :].transpose(-2, -1), policy.dp)
             # dS = (P * scale) * (dP - delta), each op rounded to the p format, in place
             dp_minus = cast(_rounded(dp.sub_(delta[..., q0:q1, :]), policy.dp), policy.p)
             ds = _rounded(_rounded(p.mul_(scale), policy.p).mul_(dp_minus), policy.p)
+            if dcap is not None:  # through the soft-cap: d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+                ds = _rounded(ds.mul_(dcap), policy.p)
             ds = _operand(cast(ds, policy.ds), policy.grad_partial)  # the matmul operand
             dq_tiles[i] = accumulate(dq_tiles[i], matmul(ds, k_g[..., k0:k1, :], policy.grad_partial))
             dk_j = accumulate(dk_j, matmul(ds.transpose(-2, -1), q_g[..., q0:q1, :], policy.grad_partial))

@@ -27,26 +27,26 @@ DEFAULT_BLOCK = 512
 
 class _FlashAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, keep, bias, causal, scale, policy, stabilizer, block_q, block_k):
+    def forward(ctx, q, k, v, keep, bias, causal, scale, policy, stabilizer, block_q, block_k, softcap):
         with torch.autocast(q.device.type, enabled=False):
             qc, kc, vc = (cast(t.detach(), policy.inputs) for t in (q, k, v))
             o, lse, o_hp = flash_forward(
                 qc, kc, vc, keep=keep, bias=bias, causal=causal, scale=scale, policy=policy,
                 stabilizer=stabilizer, block_q=block_q, block_k=block_k,
-                keep_highp_o=policy.delta_source == "o_highp")
+                keep_highp_o=policy.delta_source == "o_highp", softcap=softcap)
         ctx.save_for_backward(qc, kc, vc, o, lse, o_hp, keep, bias)
-        ctx.meta = (causal, scale, policy, block_q, block_k, q.dtype, k.dtype, v.dtype)
+        ctx.meta = (causal, scale, policy, block_q, block_k, softcap, q.dtype, k.dtype, v.dtype)
         return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
         qc, kc, vc, o, lse, o_hp, keep, bias = ctx.saved_tensors
-        causal, scale, policy, block_q, block_k, qdt, kdt, vdt = ctx.meta
+        causal, scale, policy, block_q, block_k, softcap, qdt, kdt, vdt = ctx.meta
         with torch.autocast(do.device.type, enabled=False):
             dq, dk, dv = flash_backward(
                 qc, kc, vc, o, lse, do, o_hp, keep=keep, bias=bias, causal=causal, scale=scale,
-                policy=policy, block_q=block_q, block_k=block_k)
-        return dq.to(qdt), dk.to(kdt), dv.to(vdt), None, None, None, None, None, None, None, None
+                policy=policy, block_q=block_q, block_k=block_k, softcap=softcap)
+        return dq.to(qdt), dk.to(kdt), dv.to(vdt), None, None, None, None, None, None, None, None, None
 
 
 def _check_block(name, value):
@@ -97,7 +97,8 @@ def _check_inputs(q, k, v, attn_mask):
 def flash_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
                     precision: "str | PrecisionPolicy" = "fa2",
                     stabilizer: "str | Stabilizer" = "none",
-                    block_q: int | None = None, block_k: int | None = None) -> torch.Tensor:
+                    block_q: int | None = None, block_k: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Flash attention with a chosen arithmetic.
 
     q: (B, H, T_q, D), k: (B, H, T_k, D), v: (B, H, T_k, D_v) -> (B, H, T_q, D_v) in q's dtype.
@@ -106,6 +107,8 @@ def flash_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
     1/sqrt(D). ``precision``: a preset name (``fp32``, ``paper``, ``fa2``, ``fa2-fp16``,
     ``fa2-e4m3``, ``fa2-e5m2``, ``fp64``) or a PrecisionPolicy. ``stabilizer``: ``none``,
     ``paper`` (``paper:beta=7,tol=1e-3``), ``safe`` or a Stabilizer. Tiles default to 512.
+    ``softcap``: attention-logit soft-capping, scores -> softcap * tanh(scores / softcap)
+    (after scaling, before masks), as in Gemma 2.
     """
     _check_inputs(q, k, v, attn_mask)
     policy = get_policy(precision)
@@ -115,6 +118,8 @@ def flash_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not softcap > 0):
+        raise ValueError(f"softcap must be a positive float or None, got {softcap!r}")
     keep = bias = None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -122,7 +127,7 @@ def flash_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
         else:
             bias = attn_mask.detach()
     return _FlashAttentionFn.apply(q, k, v, keep, bias, bool(is_causal), float(scale), policy, stab,
-                                   block_q, block_k)
+                                   block_q, block_k, None if softcap is None else float(softcap))
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -172,10 +177,10 @@ def override_sdpa(**options):
     # validate eagerly so that a typo fails at the `with`, not at the first attention call
     get_policy(options.get("precision", "fa2"))
     get_stabilizer(options.get("stabilizer", "none"))
-    unknown = set(options) - {"precision", "stabilizer", "block_q", "block_k"}
+    unknown = set(options) - {"precision", "stabilizer", "block_q", "block_k", "softcap"}
     if unknown:
         raise TypeError(f"override_sdpa got unknown option(s) {sorted(unknown)}; "
-                        "expected precision, stabilizer, block_q, block_k")
+                        "expected precision, stabilizer, block_q, block_k, softcap")
     original = F.scaled_dot_product_attention
 
     def patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

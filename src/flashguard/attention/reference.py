@@ -30,15 +30,19 @@ def reference_attention(
     scale: float | None = None,
     dtype: torch.dtype = torch.float64,
     return_lse: bool = False,
+    softcap: float | None = None,
 ):
     """softmax(q k^T * scale + mask) v computed in ``dtype`` (fp64 by default).
 
     q: (..., T_q, D), k: (..., T_k, D), v: (..., T_k, D_v). Returns (..., T_q, D_v) in ``dtype``
-    (and the row log-sum-exp (..., T_q) if ``return_lse``). Differentiable.
+    (and the row log-sum-exp (..., T_q) if ``return_lse``). Differentiable. ``softcap``
+    replaces the scores by softcap * tanh(scores / softcap) before masking.
     """
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = (q @ k.transpose(-2, -1)) * scale  # (..., T_q, T_k)
+    if softcap is not None:  # attention-logit soft-capping (Gemma 2), before the masks
+        s = softcap * torch.tanh(s / softcap)
     keep = None
     if is_causal:
         keep = causal_mask(q.shape[-2], k.shape[-2], q.device)
