@@ -1,22 +1,64 @@
-"""flashguard command line."""
+"""flashguard: find, explain and fix the loss explosions of low-precision flash attention.
+
+Exit codes: 0 done; 2 bad arguments, configuration or data (one line names the problem);
+3 a training run diverged (see RUN_DIR/divergence.json); 1 anything unexpected.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
 
 
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a GPT-2 (single process, or under torchrun)",
+                       description="Train with a TOML config; key=value arguments override it "
+                                   "(e.g. train.steps=200 attention.precision=fa2 attention.layers.1.precision=fp32).")
+    p.add_argument("config", help="TOML config (see configs/); then any number of dotted key=value overrides")
+    p.add_argument("--out", required=True, help="run folder (config.toml, metrics.jsonl, batches.jsonl, checkpoints/)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--replay", metavar="RUN_DIR", help="use the batches logged by another run, step for step")
+
+
+def _train(args) -> int:
+    from .train import EXIT_DIVERGED, load_config, train
+    cfg = load_config(args.config, args.overrides)
+    result = train(cfg, args.out, resume=args.resume, replay=args.replay)
+    if result.diverged and cfg.train.on_divergence == "stop":
+        print(f"run diverged at step {result.steps_done}; see {args.out}/divergence.json", file=sys.stderr)
+        return EXIT_DIVERGED
+    best = f", best val loss {result.best_val:.4f}" if result.best_val is not None else ""
+    print(f"done: {result.steps_done} steps, last train loss {result.last_loss:.4f}{best}; run in {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flashguard", description=__doc__.strip() + " Subcommands:")
+    parser = argparse.ArgumentParser(prog="flashguard", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("showcase", help="one-minute tour: tie-induced rounding bias and its fixes")
-    args = parser.parse_args(argv)
-    if args.command == "showcase":
-        import torch
-
-        from .experiments.showcase import run_showcase
-        torch.set_printoptions(precision=4)
-        run_showcase()
-    return 0
+    from .data.command import add_prepare_arguments, run_prepare
+    add_prepare_arguments(sub.add_parser("prepare", help="tokenize a corpus into nanoGPT-style train.bin / val.bin"))
+    _add_train(sub)
+    # key=value overrides may stand anywhere after `train CONFIG` (argparse cannot interleave
+    # them with --out), so they are collected from the arguments argparse does not know
+    args, extra = parser.parse_known_args(argv)
+    args.overrides = [e for e in extra if "=" in e and not e.startswith("-")]
+    unknown = [e for e in extra if e not in args.overrides]
+    if unknown or (args.overrides and args.command != "train"):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or args.overrides)}")
+    try:
+        if args.command == "showcase":
+            from .experiments.showcase import run_showcase
+            run_showcase()
+            return 0
+        if args.command == "prepare":
+            return run_prepare(args)
+        if args.command == "train":
+            return _train(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:  # ConfigError is a ValueError
+        print(f"flashguard {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 1
 
 
 if __name__ == "__main__":

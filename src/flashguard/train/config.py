@@ -1,0 +1,278 @@
+"""Typed, validated run configuration: dataclasses <-> TOML, with dotted key=value overrides.
+
+    cfg = load_config("configs/tiny-cpu.toml", ["train.steps=200", "attention.precision=fa2"])
+    save_config(cfg, run_dir / "config.toml")      # fully resolved, saved with every run
+
+Every field is checked against its annotation when loaded; an unknown key or a wrongly
+typed value raises ConfigError naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["ConfigError", "DataConfig", "ModelConfig", "AttentionConfig", "OptimConfig", "TrainConfig",
+           "RunConfig", "load_config", "parse_overrides", "apply_overrides", "save_config", "config_to_toml",
+           "config_from_dict", "config_to_dict"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key."""
+
+
+@dataclass
+class DataConfig:
+    dir: str = "data/embedded"        # folder made by `flashguard prepare`
+    batch_size: int = 16              # sequences per optimizer step, over all processes
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny-cpu"          # flashguard.model.MODEL_PRESETS
+    n_layer: int | None = None        # None: the preset's value
+    n_head: int | None = None
+    n_embd: int | None = None
+    block_size: int | None = None     # sequence length T
+    vocab_size: int | None = None     # None: the preset's, checked against the data
+    bias: bool | None = None
+    dropout: float | None = None
+    qk_layernorm: bool = False        # remedies users compare against, each a flag
+    attn_softcap: float | None = None
+    z_loss: float = 0.0
+
+
+@dataclass
+class AttentionConfig:
+    backend: str = "flash"            # sdpa | flash | reference
+    precision: str = "paper"          # precision preset (flashguard.numerics.POLICIES)
+    stabilizer: str = "none"          # none | paper | paper:beta=7 | safe
+    block_q: int | None = None
+    block_k: int | None = None
+    # per-layer overrides, e.g. layers."1" = { precision = "fp32" } (the study's localisation)
+    layers: dict = field(default_factory=dict)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-3
+    min_lr: float = 2e-5
+    warmup_steps: int = 100
+    schedule: str = "cosine"          # cosine (to min_lr at decay_steps) | constant
+    decay_steps: int | None = None    # None: train.steps
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0            # 0: off
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    seed: int = 1337
+    grad_accum: int = 1               # micro-batches per step (per process)
+    autocast: str = "bf16"            # bf16 | fp32
+    device: str = "auto"              # auto | cpu | cuda
+    checkpoint_every: int = 100       # 0: only at the end
+    keep_last: int = 2
+    eval_every: int = 100             # 0: never
+    eval_batches: int = 10
+    log_every: int = 1
+    divergence_loss: float | None = None  # stop when loss exceeds this (non-finite always stops)
+    on_divergence: str = "stop"       # stop | continue
+    tensorboard: bool = False
+    progress: bool = True
+
+
+@dataclass
+class RunConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        _validate(self)
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+
+
+def _check_value(key: str, value, annotation):
+    """Coerce/check one value against a field annotation (a string under `from __future__`)."""
+    hint = eval(annotation, vars(typing)) if isinstance(annotation, str) else annotation  # noqa: S307
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key} may not be empty (expected {getattr(base, '__name__', base)})")
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+    elif base is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif base is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif base is str:
+        if isinstance(value, str):
+            return value
+    elif base is dict:
+        if isinstance(value, dict):
+            return value
+    raise ConfigError(f"{key} must be {getattr(base, '__name__', base)}, got {value!r} ({type(value).__name__})")
+
+
+def config_from_dict(raw: dict) -> RunConfig:
+    sections = {}
+    for name, value in raw.items():
+        if name not in _SECTIONS:
+            raise ConfigError(f"unknown config section [{name}]; known: {', '.join(_SECTIONS)}")
+        if not isinstance(value, dict):
+            raise ConfigError(f"[{name}] must be a table")
+    for name, typ in _SECTIONS.items():
+        cls = {"data": DataConfig, "model": ModelConfig, "attention": AttentionConfig,
+               "optim": OptimConfig, "train": TrainConfig}[name]
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, value in raw.get(name, {}).items():
+            if key not in fields:
+                raise ConfigError(f"unknown config key {name}.{key}; known in [{name}]: {', '.join(fields)}")
+            kwargs[key] = _check_value(f"{name}.{key}", value, fields[key].type)
+        sections[name] = cls(**kwargs)
+    return RunConfig(**sections)
+
+
+def config_to_dict(cfg: RunConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _validate(cfg: RunConfig) -> None:
+    def need(cond, key, msg):
+        if not cond:
+            raise ConfigError(f"{key} {msg}")
+
+    need(cfg.data.batch_size >= 1, "data.batch_size", "must be >= 1")
+    t, o = cfg.train, cfg.optim
+    need(t.steps >= 1, "train.steps", "must be >= 1")
+    need(t.grad_accum >= 1, "train.grad_accum", "must be >= 1")
+    need(cfg.data.batch_size % t.grad_accum == 0, "data.batch_size",
+         f"({cfg.data.batch_size}) must be divisible by train.grad_accum ({t.grad_accum})")
+    need(t.autocast in ("bf16", "fp32"), "train.autocast", f"must be bf16 or fp32, got {t.autocast!r}")
+    need(t.device in ("auto", "cpu", "cuda"), "train.device", f"must be auto, cpu or cuda, got {t.device!r}")
+    need(t.on_divergence in ("stop", "continue"), "train.on_divergence", f"must be stop or continue, got {t.on_divergence!r}")
+    for key in ("checkpoint_every", "eval_every"):
+        need(getattr(t, key) >= 0, f"train.{key}", "must be >= 0")
+    need(t.keep_last >= 1, "train.keep_last", "must be >= 1")
+    need(t.eval_batches >= 1, "train.eval_batches", "must be >= 1")
+    need(t.log_every >= 1, "train.log_every", "must be >= 1")
+    need(o.lr > 0 and math.isfinite(o.lr), "optim.lr", "must be a positive number")
+    need(0 <= o.min_lr <= o.lr, "optim.min_lr", "must lie in [0, optim.lr]")
+    need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+    need(o.schedule in ("cosine", "constant"), "optim.schedule", f"must be cosine or constant, got {o.schedule!r}")
+    need(o.decay_steps is None or o.decay_steps >= 1, "optim.decay_steps", "must be >= 1")
+    need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1/beta2", "must lie in [0, 1)")
+    need(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    need(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0: off)")
+    a = cfg.attention
+    need(a.backend in ("sdpa", "flash", "reference"), "attention.backend",
+         f"must be sdpa, flash or reference, got {a.backend!r}")
+    for key, value in a.layers.items():
+        need(str(key).isdigit(), f"attention.layers.{key}", "must be a layer index (0, 1, ...)")
+        need(isinstance(value, dict), f"attention.layers.{key}", "must be a table of attention fields")
+        for sub in value:
+            need(sub in ("backend", "precision", "stabilizer", "block_q", "block_k"),
+                 f"attention.layers.{key}.{sub}", "is not an attention field")
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """["train.steps=100", "attention.layers.1.precision=fp32"] -> nested dict. Values are read
+    as TOML literals (100, 1e-3, true, "x"); anything that is not one is taken as a string."""
+    out: dict = {}
+    for item in items:
+        key, eq, text = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"override {item!r} is not key=value (e.g. train.steps=100)")
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        parts = key.strip().split(".")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r} conflicts with another override")
+        node[parts[-1]] = value
+    return out
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    merged = dict(base)
+    for k, v in extra.items():
+        merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+    return merged
+
+
+def apply_overrides(cfg: RunConfig, items: list[str]) -> RunConfig:
+    return config_from_dict(_merge(config_to_dict(cfg), parse_overrides(items)))
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    return config_from_dict(_merge(raw, parse_overrides(list(overrides))))
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    raise TypeError(f"cannot write {v!r} to TOML")
+
+
+def config_to_toml(cfg: RunConfig) -> str:
+    lines = ["# flashguard run configuration (fully resolved)"]
+    for section, values in config_to_dict(cfg).items():
+        lines.append(f"\n[{section}]")
+        tables = {}
+        for k, v in values.items():
+            if v is None:
+                lines.append(f"# {k} = (unset)")
+            elif isinstance(v, dict):
+                tables[k] = v
+            else:
+                lines.append(f"{k} = {_toml_value(v)}")
+        for k, table in tables.items():
+            for sub, subtable in sorted(table.items(), key=lambda kv: int(kv[0])):
+                items = ", ".join(f"{a} = {_toml_value(b)}" for a, b in subtable.items())
+                lines.append(f'{k}."{sub}" = {{ {items} }}')
+    return "\n".join(lines) + "\n"
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    from ..utils.atomic import atomic_write_text
+    atomic_write_text(Path(path), config_to_toml(cfg))

@@ -1,0 +1,323 @@
+"""The training loop: nanoGPT-style GPT-2 training with flashguard attention.
+
+One optimizer step consumes ``data.batch_size`` sequences drawn uniformly from train.bin by
+a seeded generator; the drawn start offsets are written to batches.jsonl, so that a run can
+be replayed exactly (``replay=``). Under torchrun each process takes an equal slice of the
+same global batch and DDP averages the gradients, so a run's numbers do not depend on the
+number of processes (up to summation order). On CPU a run resumed from a checkpoint
+reproduces the uninterrupted run bit for bit: the checkpoint holds model, optimizer, the
+sampler's generator, torch's RNG and the step, and the logs are cut back to that step.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..utils.atomic import atomic_write_text
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import ConfigError, RunConfig, config_to_dict, load_config, save_config
+from .schedule import learning_rate
+
+__all__ = ["train", "TrainResult", "EXIT_OK", "EXIT_CONFIG", "EXIT_DIVERGED", "JsonlLog", "build_model"]
+
+EXIT_OK = 0        # finished
+EXIT_CONFIG = 2    # bad configuration, data or arguments (one line names the problem)
+EXIT_DIVERGED = 3  # loss non-finite or above train.divergence_loss; see RUN_DIR/divergence.json
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps_done: int
+    diverged: bool
+    last_loss: float
+    best_val: float | None
+
+
+class JsonlLog:
+    """Append-only JSON-lines log, flushed per line (a kill loses nothing written before)."""
+
+    def __init__(self, path: Path, enabled: bool = True):
+        self.path, self.enabled = Path(path), enabled
+        self._f = open(self.path, "a") if enabled else None
+
+    def write(self, record: dict) -> None:
+        if self._f:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f:
+            self._f.close()
+
+    @staticmethod
+    def read(path: Path) -> list[dict]:
+        if not Path(path).exists():
+            return []
+        out = []
+        for line in Path(path).read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a kill
+                break
+        return out
+
+    @staticmethod
+    def truncate_after(path: Path, step: int) -> None:
+        """Keep the records of steps <= ``step`` (the ones a resumed run will not redo)."""
+        if Path(path).exists():
+            kept = [r for r in JsonlLog.read(path) if r.get("step", -1) <= step]
+            atomic_write_text(Path(path), "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def _setup_distributed(device_pref: str):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_pref == "auto":
+        device_pref = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_pref == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device = cuda but no CUDA device is available")
+    device = torch.device(f"cuda:{local}" if device_pref == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return world, rank, device
+
+
+def build_model(cfg: RunConfig, vocab_size_data: int | None = None):
+    """The GPT of a run configuration (per-layer attention overrides applied)."""
+    from ..model import GPT, AttentionSpec, layer_specs, model_config
+    m = cfg.model
+    overrides = {k: getattr(m, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias",
+                                            "dropout") if getattr(m, k) is not None}
+    overrides.update(qk_layernorm=m.qk_layernorm, attn_softcap=m.attn_softcap, z_loss=m.z_loss)
+    try:
+        gcfg = model_config(m.preset, **overrides)
+    except (KeyError, ValueError, TypeError) as e:
+        raise ConfigError(f"model: {e}") from None
+    if vocab_size_data is not None and vocab_size_data > gcfg.vocab_size:
+        raise ConfigError(f"model.vocab_size ({gcfg.vocab_size}) is smaller than the data's vocabulary "
+                          f"({vocab_size_data}); set model.vocab_size or prepare the data with another tokenizer")
+    a = cfg.attention
+    try:
+        default = AttentionSpec(backend=a.backend, precision=a.precision, stabilizer=a.stabilizer,
+                                block_q=a.block_q, block_k=a.block_k)
+        specs = layer_specs(default, {int(k): v for k, v in a.layers.items()}, gcfg.n_layer)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"attention: {e}") from None
+    return GPT(gcfg, specs)
+
+
+def _all_mean(x: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+        x /= world
+    return x
+
+
+def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: str | Path | None = None,
+          log_fn=print) -> TrainResult:
+    from ..data import TokenDataset
+
+    run_dir = Path(run_dir)
+    world, rank, device = _setup_distributed(cfg.train.device)
+    main = rank == 0
+    t = cfg.train
+    if cfg.data.batch_size % (world * t.grad_accum):
+        raise ConfigError(f"data.batch_size ({cfg.data.batch_size}) must be divisible by the number of "
+                          f"processes ({world}) times train.grad_accum ({t.grad_accum})")
+    try:
+        data = TokenDataset(cfg.data.dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"data.dir: {e}") from None
+
+    torch.manual_seed(t.seed)
+    model = build_model(cfg, data.vocab_size).to(device)
+    block = model.config.block_size
+    for split in ("train", "val"):
+        if data.num_tokens(split) <= block + 1:
+            raise ConfigError(f"model.block_size ({block}) does not fit the {split} split of {cfg.data.dir} "
+                              f"({data.num_tokens(split)} tokens)")
+    o = cfg.optim
+    optimizer = model.configure_optimizer(weight_decay=o.weight_decay, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    raw_model = model
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    sampler = torch.Generator().manual_seed(t.seed + 1)
+    start, best_val = 0, None
+    metrics_path, batches_path = run_dir / "metrics.jsonl", run_dir / "batches.jsonl"
+    if resume:
+        ckpt_path = latest_checkpoint(run_dir)
+        if ckpt_path is None:
+            raise ConfigError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
+        state = load_checkpoint(ckpt_path)
+        raw_model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+        sampler.set_state(state["data_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        start, best_val = state["step"], state.get("best_val")
+        if main:
+            JsonlLog.truncate_after(metrics_path, start - 1)
+            JsonlLog.truncate_after(batches_path, start - 1)
+            log_fn(f"resumed from {ckpt_path} at step {start}")
+    elif main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if latest_checkpoint(run_dir) is not None or metrics_path.exists():
+            raise ConfigError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
+    if world > 1:
+        dist.barrier()
+    if main:
+        save_config(cfg, run_dir / "config.toml")
+
+    replayed = None
+    if replay is not None:
+        replayed = {r["step"]: r["indices"] for r in JsonlLog.read(Path(replay) / "batches.jsonl")}
+        if not replayed:
+            raise ConfigError(f"--replay: {Path(replay) / 'batches.jsonl'} has no batches")
+        other = load_config(Path(replay) / "config.toml") if (Path(replay) / "config.toml").exists() else None
+        if other is not None and other.data.batch_size != cfg.data.batch_size:
+            raise ConfigError(f"--replay: data.batch_size {cfg.data.batch_size} differs from the replayed run's "
+                              f"{other.data.batch_size}")
+
+    metrics = JsonlLog(metrics_path, main)
+    batches = JsonlLog(batches_path, main)
+    tb = None
+    if main and t.tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("train.tensorboard = true needs the tensorboard package (pip install tensorboard)") from None
+        tb = SummaryWriter(str(run_dir / "tensorboard"))
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.autocast == "bf16")
+    per_rank = cfg.data.batch_size // world
+    micro = per_rank // t.grad_accum
+    tokens_per_step = cfg.data.batch_size * block
+    bar = None
+    if main and t.progress:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+    def evaluate() -> float:
+        gen = torch.Generator().manual_seed(t.seed + 2)  # the same validation batches every time
+        raw_model.eval()
+        losses = []
+        with torch.no_grad(), autocast:
+            for _ in range(t.eval_batches):
+                idx = data.sample_indices("val", cfg.data.batch_size, block, gen)
+                x, y = data.batch("val", idx, block)
+                losses.append(_ce_of(raw_model, x.to(device), y.to(device)))
+        raw_model.train()
+        return float(sum(losses) / len(losses))
+
+    last_loss, diverged, step = float("nan"), False, start
+    try:
+        for step in range(start, t.steps):
+            t0 = time.perf_counter()
+            lr = learning_rate(step, o, t.steps)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            if replayed is not None:
+                if step not in replayed:
+                    raise ConfigError(f"--replay: the replayed run has no batch for step {step}")
+                indices = torch.tensor(replayed[step], dtype=torch.long)
+            else:
+                indices = data.sample_indices("train", cfg.data.batch_size, block, sampler)
+            mine = indices[rank * per_rank:(rank + 1) * per_rank]
+            loss_sum = torch.zeros((), device=device)
+            for j in range(t.grad_accum):
+                x, y = data.batch("train", mine[j * micro:(j + 1) * micro], block)
+                x, y = x.to(device), y.to(device)
+                sync = contextlib.nullcontext() if (world == 1 or j == t.grad_accum - 1) else model.no_sync()
+                with sync:
+                    with autocast:
+                        _, loss = model(x, y)
+                    (loss / t.grad_accum).backward()
+                loss_sum += _last_ce(raw_model, loss).detach() / t.grad_accum
+            train_loss = _all_mean(loss_sum, world).item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), o.grad_clip or float("inf")).item()
+            record = {"step": step, "loss/train": train_loss, "optim/lr": lr, "grad/norm": grad_norm}
+            bad = not math.isfinite(train_loss) or not math.isfinite(grad_norm) or (
+                t.divergence_loss is not None and train_loss > t.divergence_loss)
+            if bad:
+                diverged = True
+                record["event/diverged"] = 1
+                if main:
+                    _write_divergence(run_dir, step, record, indices, train_loss, grad_norm)
+                    log_fn(f"divergence at step {step}: loss {train_loss:.4g}, grad norm {grad_norm:.4g}"
+                           f" (details in {run_dir / 'divergence.json'})")
+            if not bad or (t.on_divergence == "continue" and math.isfinite(grad_norm)):
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            batches.write({"step": step, "indices": indices.tolist()})
+            dt = time.perf_counter() - t0
+            record["time/step_s"] = dt
+            record["time/tokens_per_s"] = tokens_per_step / dt
+            last_loss = train_loss
+            done = step + 1
+            if t.eval_every and (done % t.eval_every == 0 or done == t.steps) and not (bad and t.on_divergence == "stop"):
+                val = evaluate()
+                record["loss/val"] = val
+                is_best = best_val is None or val < best_val
+                best_val = val if is_best else best_val
+            else:
+                is_best = False
+            if step % t.log_every == 0 or "loss/val" in record or bad:
+                metrics.write(record)
+                if tb is not None:
+                    for k, v in record.items():
+                        if k != "step":
+                            tb.add_scalar(k, v, step)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{record['time/tokens_per_s']:.0f}")
+            if bad and t.on_divergence == "stop":
+                break
+            if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps or is_best:
+                if main:
+                    state = {"step": done, "model": raw_model.state_dict(), "optim": optimizer.state_dict(),
+                             "data_rng": sampler.get_state(), "torch_rng": torch.get_rng_state(),
+                             "best_val": best_val, "config": config_to_dict(cfg), "world_size": world}
+                    save_checkpoint(run_dir, done, state, t.keep_last, best=is_best)
+                if world > 1:
+                    dist.barrier()
+    finally:
+        metrics.close()
+        batches.close()
+        if bar is not None:
+            bar.close()
+        if tb is not None:
+            tb.close()
+    steps_done = step if diverged and t.on_divergence == "stop" else t.steps
+    return TrainResult(run_dir, steps_done, diverged, last_loss, best_val)
+
+
+def _last_ce(model, loss: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy part of the last training loss (the model may add a z-loss)."""
+    ce = getattr(model, "last_ce", None)
+    return ce if ce is not None else loss
+
+
+def _ce_of(model, x, y) -> float:
+    _, loss = model(x, y)
+    return float(_last_ce(model, loss))
+
+
+def _write_divergence(run_dir: Path, step: int, record: dict, indices: torch.Tensor, loss: float, grad_norm: float):
+    ckpt = latest_checkpoint(run_dir)
+    bundle = {"step": step, "loss": loss, "grad_norm": grad_norm, "metrics": record,
+              "batch_indices": indices.tolist(),
+              "last_good_checkpoint": str(ckpt) if ckpt else None,
+              "how_to_replay": "flashguard train CONFIG --out NEW_DIR --replay " + str(run_dir)}
+    atomic_write_text(run_dir / "divergence.json", json.dumps(bundle, indent=1, default=str) + "\n")

@@ -1,0 +1,16 @@
+"""Small helpers shared by every layer (no torch, no project imports)."""
+from .atomic import (
+    atomic_output,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    remove_stale_temp_files,
+)
+
+__all__ = [
+    "atomic_output",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "remove_stale_temp_files",
+]
