@@ -201,3 +201,26 @@ def test_softcap_matches_reference_and_gradchecks():
         lambda q, k, v: flash_attention(q, k, v, precision="fp64", softcap=0.7, block_q=4, block_k=2), leaves)
     with pytest.raises(ValueError, match="softcap"):
         flash_attention(q, k, v, softcap=-1.0)
+
+
+def test_stochastic_rounding_policy_is_unbiased_and_seeded():
+    from flashguard.numerics import get_policy
+    coarse = get_policy("fa2").replace(pv="e8m3", o_accum="e8m3", name="coarse")
+    sr = coarse.replace(rounding="stochastic", name="coarse-sr")
+    q, k, v, _ = _inputs(4, 2, 64, 64, 16, torch.float32, seed=12)
+    v = v.abs() + 0.5  # same-sign V: where nearest rounding errs coherently
+    ref = reference_attention(*(t.bfloat16().double() for t in (q, k, v)))
+    near = flash_attention(q, k, v, precision=coarse, block_k=16).double() - ref
+    torch.manual_seed(0)
+    a = flash_attention(q, k, v, precision=sr, block_k=16)
+    torch.manual_seed(0)
+    b = flash_attention(q, k, v, precision=sr, block_k=16)
+    assert torch.equal(a, b)  # reproducible from torch's seed
+    c = flash_attention(q, k, v, precision=sr, block_k=16)
+    assert not torch.equal(a, c)  # and actually random
+    stoch = a.double() - ref
+    # both are noisy at 3 mantissa bits; the stochastic one is not biased
+    assert abs(stoch.mean()) < 3 * stoch.std() / stoch.numel() ** 0.5
+    assert stoch.abs().mean() > 0.3 * near.abs().mean()
+    with pytest.raises(ValueError, match="rounding"):
+        get_policy("fa2").replace(rounding="up")

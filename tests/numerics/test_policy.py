@@ -35,3 +35,13 @@ def test_user_policies_replace_and_describe_themselves():
 def test_policies_are_frozen():
     with pytest.raises(Exception):
         get_policy("fa2").scores = BF16
+
+
+def test_policy_strings_round_trip_through_short_str():
+    p = get_policy("paper[pv=e8m4, o_accum=e8m4,rounding=stochastic,row_sum_floor=none,visit_masked_tiles=false]")
+    assert p.pv.mantissa_bits == 4 and p.rounding == "stochastic" and p.row_sum_floor is None
+    assert not p.visit_masked_tiles
+    assert get_policy(p.short_str()) == p
+    for bad in ["paper[pv]", "paper[colour=red]", "nope[pv=fp32]", "paper[pv=e8m99]", "paper[row_sum_rounded=maybe]"]:
+        with pytest.raises(ValueError):
+            get_policy(bad)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..numerics.arith import cast, matmul, rowsum, storage_dtype
-from ..numerics.formats import FP32, FP64, round_to
+from ..numerics.arith import cast, emulate, matmul, rowsum, storage_dtype
+from ..numerics.formats import FP32, FP64
 from ..numerics.policy import PrecisionPolicy
 from .stabilizers import Stabilizer
 
@@ -39,7 +39,7 @@ def _masked_value(policy: PrecisionPolicy) -> float:
 def _rounded(x: torch.Tensor, fmt) -> torch.Tensor:
     """After an in-place op on a tensor held in ``fmt``'s storage: native formats are already
     rounded by the op itself, emulated ones are rounded now."""
-    return x if fmt.is_native else round_to(x, fmt)
+    return x if fmt.is_native else emulate(x, fmt)
 
 
 def _operand_dtype(x: torch.Tensor, out_fmt) -> torch.dtype:

@@ -13,7 +13,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from ..numerics.arith import cast
+from ..numerics.arith import cast, rounding
 from ..numerics.policy import PrecisionPolicy, get_policy
 from .flash import flash_backward, flash_forward
 from .stabilizers import Stabilizer, get_stabilizer
@@ -28,7 +28,7 @@ DEFAULT_BLOCK = 512
 class _FlashAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, keep, bias, causal, scale, policy, stabilizer, block_q, block_k, softcap):
-        with torch.autocast(q.device.type, enabled=False):
+        with torch.autocast(q.device.type, enabled=False), rounding(policy.rounding):
             qc, kc, vc = (cast(t.detach(), policy.inputs) for t in (q, k, v))
             o, lse, o_hp = flash_forward(
                 qc, kc, vc, keep=keep, bias=bias, causal=causal, scale=scale, policy=policy,
@@ -42,7 +42,7 @@ class _FlashAttentionFn(torch.autograd.Function):
     def backward(ctx, do):
         qc, kc, vc, o, lse, o_hp, keep, bias = ctx.saved_tensors
         causal, scale, policy, block_q, block_k, softcap, qdt, kdt, vdt = ctx.meta
-        with torch.autocast(do.device.type, enabled=False):
+        with torch.autocast(do.device.type, enabled=False), rounding(policy.rounding):
             dq, dk, dv = flash_backward(
                 qc, kc, vc, o, lse, do, o_hp, keep=keep, bias=bias, causal=causal, scale=scale,
                 policy=policy, block_q=block_q, block_k=block_k, softcap=softcap)

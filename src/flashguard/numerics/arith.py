@@ -4,14 +4,41 @@ Native formats (fp64, fp32, bf16, fp16) are computed by torch in that dtype: one
 rounding, which is what a kernel that stores the result in that dtype does. Other formats
 are held in fp32 tensors ("storage") and rounded with ``round_to`` after each op, so an
 emulated op computes in fp32 and rounds once more to the target format.
+
+Emulated formats round to nearest (ties to even) unless a ``rounding("stochastic")`` context
+is active; native formats always round as the hardware does, to nearest. Stochastic rounding
+draws from torch's global generator, so a seeded run is reproducible.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 
 from .formats import FloatFormat, round_to
 
-__all__ = ["storage_dtype", "cast", "matmul", "rowsum"]
+__all__ = ["storage_dtype", "cast", "emulate", "matmul", "rowsum", "rounding", "ROUNDINGS"]
+
+ROUNDINGS = ("nearest", "stochastic")
+_MODE: contextvars.ContextVar[str] = contextvars.ContextVar("flashguard_rounding", default="nearest")
+
+
+@contextlib.contextmanager
+def rounding(mode: str):
+    """Rounding mode of emulated formats inside the block: "nearest" or "stochastic"."""
+    if mode not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {mode!r}")
+    token = _MODE.set(mode)
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+def emulate(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Round an fp32/fp64 tensor to an emulated format in the current rounding mode."""
+    return round_to(x, fmt, mode=_MODE.get())
 
 
 def storage_dtype(fmt: FloatFormat) -> torch.dtype:
@@ -26,7 +53,7 @@ def cast(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
         return x if x.dtype == dt else x.to(dt)
     if x.dtype != torch.float32:
         x = x.to(torch.float32)
-    return round_to(x, fmt)
+    return emulate(x, fmt)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:

@@ -75,6 +75,7 @@ class PrecisionPolicy:
     row_sum_floor: float | None = None  # clamp each tile's row sum from below (reference: 1e-10)
     visit_masked_tiles: bool = False   # also process key tiles the causal mask hides completely
     masked_scores: str = "inf"         # forward value of masked scores: -inf or -max finite
+    rounding: str = "nearest"          # emulated formats: "nearest" or "stochastic" (native: nearest)
     # backward
     p: FloatFormat | str = "fp32"
     dp: FloatFormat | str = "fp32"
@@ -95,6 +96,8 @@ class PrecisionPolicy:
         if self.delta_source not in DELTA_SOURCES:
             raise ValueError(
                 f"PrecisionPolicy.delta_source must be one of {DELTA_SOURCES}, got {self.delta_source!r}")
+        if self.rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"PrecisionPolicy.rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
         if self.masked_scores not in _MASKED_SCORES:
             raise ValueError(
                 f"PrecisionPolicy.masked_scores must be one of {_MASKED_SCORES}, got {self.masked_scores!r}")
@@ -155,11 +158,43 @@ POLICIES: dict[str, PrecisionPolicy] = {
 }
 
 
+_BOOL_FIELDS = ("row_sum_rounded", "visit_masked_tiles")
+
+
+def _parse_field(name: str, text: str):
+    if name in _BOOL_FIELDS:
+        if text.lower() not in ("true", "false"):
+            raise ValueError(f"PrecisionPolicy.{name} must be true or false, got {text!r}")
+        return text.lower() == "true"
+    if name == "row_sum_floor":
+        if text.lower() == "none":
+            return None
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"PrecisionPolicy.row_sum_floor must be a number or none, got {text!r}") from None
+    return text
+
+
 def get_policy(policy: "PrecisionPolicy | str") -> PrecisionPolicy:
-    """Resolve a preset name (or pass a policy through)."""
+    """Resolve a preset name, or a preset with changed fields written as ``short_str`` writes
+    them - ``"paper[pv=e8m4,o_accum=e8m4,rounding=stochastic]"`` - or pass a policy through."""
     if isinstance(policy, PrecisionPolicy):
         return policy
     if isinstance(policy, str) and policy in POLICIES:
         return POLICIES[policy]
+    if isinstance(policy, str) and policy.endswith("]") and "[" in policy:
+        base, _, body = policy[:-1].partition("[")
+        if base in POLICIES:
+            fields = {f.name for f in dataclasses.fields(PrecisionPolicy)} - {"name"}
+            changes = {}
+            for item in filter(None, (x.strip() for x in body.split(","))):
+                key, eq, value = item.partition("=")
+                key = key.strip()
+                if not eq or key not in fields:
+                    raise ValueError(f"precision {policy!r}: {item!r} is not field=value with a PrecisionPolicy "
+                                     f"field ({', '.join(sorted(fields))})")
+                changes[key] = _parse_field(key, value.strip())
+            return POLICIES[base].replace(**changes)
     raise ValueError(f"unknown precision policy {policy!r}; presets: {', '.join(POLICIES)}"
-                     " (or pass a PrecisionPolicy)")
+                     " (or 'preset[field=value,...]', or pass a PrecisionPolicy)")
