@@ -1,0 +1,174 @@
+"""Reading batches from a prepared dataset, reproducibly.
+
+Batches are drawn in two steps so the trainer can log and replay them:
+
+1. ``indices = ds.sample_indices(split, batch_size, block_size, generator)``: start offsets,
+   uniform over ``[0, len(split) - block_size - 1]``, from ``torch.randint`` with the given
+   CPU ``torch.Generator`` -- restoring the generator's state (``get_state``/``set_state``)
+   gives the same offsets again, and the offsets themselves can go to ``batches.jsonl``;
+2. ``x, y = ds.batch(split, indices, block_size)``: int64 tensors (B, T), ``y`` is ``x``
+   shifted by one token.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from .meta import SPLITS, numpy_dtype, split_path, validate_dataset
+
+__all__ = ["TokenDataset"]
+
+
+class TokenDataset:
+    """The ``train``/``val`` token files of a dataset folder, opened read-only as ``np.memmap``.
+
+    Raises ``FileNotFoundError`` (missing folder, ``meta.json`` or ``.bin`` file) or
+    ``ValueError`` (meta.json inconsistent with itself or with the file sizes), naming the
+    file. Pickles by path (the memmaps are reopened), so it can go to worker processes.
+    """
+
+    def __init__(self, data_dir: str | Path):
+        self.data_dir = Path(data_dir)
+        self.meta = validate_dataset(self.data_dir)
+        self.dtype = numpy_dtype(self.meta)
+        self._arrays: dict[str, np.ndarray] = {}
+        self._open()
+
+    def _open(self) -> None:
+        for split in SPLITS:
+            path = split_path(self.data_dir, self.meta, split)
+            n = self.meta["splits"][split]["tokens"]
+            if n == 0:  # np.memmap cannot map an empty file
+                self._arrays[split] = np.empty(0, dtype=self.dtype)
+            else:
+                self._arrays[split] = np.memmap(path, dtype=self.dtype, mode="r", shape=(n,))
+
+    def __getstate__(self) -> dict:
+        return {"data_dir": self.data_dir}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["data_dir"])
+
+    # --------------------------------------------------------------- accessors
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.meta["tokenizer"])
+
+    @property
+    def doc_separator(self) -> int | None:
+        return self.meta.get("doc_separator")
+
+    @property
+    def splits(self) -> tuple[str, ...]:
+        return SPLITS
+
+    def _check_split(self, split: str) -> None:
+        if split not in self._arrays:
+            raise ValueError(f"unknown split {split!r}; expected one of {', '.join(SPLITS)}")
+
+    def num_tokens(self, split: str) -> int:
+        """Number of tokens in ``split``."""
+        self._check_split(split)
+        return int(self._arrays[split].shape[0])
+
+    def tokens(self, split: str) -> np.ndarray:
+        """The read-only memmap of ``split`` (``len(ds.tokens("val"))`` is its length)."""
+        self._check_split(split)
+        return self._arrays[split]
+
+    def tokenizer(self):
+        """The tokenizer the dataset was made with (for decoding); may raise ``TokenizerUnavailable``."""
+        from .tokenizers import get_tokenizer
+
+        return get_tokenizer(self.tokenizer_name)
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenDataset({str(self.data_dir)!r}, tokenizer={self.tokenizer_name}, "
+            f"vocab_size={self.vocab_size}, train={self.num_tokens('train')}, "
+            f"val={self.num_tokens('val')})"
+        )
+
+    # --------------------------------------------------------------- sampling
+    def _check_block(self, split: str, block_size: int) -> int:
+        self._check_split(split)
+        if int(block_size) < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        n = self.num_tokens(split)
+        if n < block_size + 1:
+            path = split_path(self.data_dir, self.meta, split)
+            raise ValueError(
+                f"block_size {block_size} needs at least {block_size + 1} tokens, but split "
+                f"{split!r} ({path}) has only {n}"
+            )
+        return n
+
+    def sample_indices(
+        self, split: str, batch_size: int, block_size: int, generator: torch.Generator
+    ) -> torch.Tensor:
+        """``batch_size`` start offsets, uniform in ``[0, len(split) - block_size - 1]`` (int64).
+
+        Drawn by ``torch.randint`` from ``generator`` only, so its saved state reproduces them.
+        """
+        n = self._check_block(split, block_size)
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        return torch.randint(
+            0, n - block_size, (int(batch_size),), generator=generator, dtype=torch.int64
+        )
+
+    def batch(
+        self,
+        split: str,
+        indices: torch.Tensor | Sequence[int] | np.ndarray,
+        block_size: int,
+        device: torch.device | str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x, y)``: int64 (B, T) with ``x[b] = data[i_b : i_b + T]``, ``y[b] = data[i_b + 1 : i_b + T + 1]``.
+
+        ``device``: if given, the tensors are moved there (pinned and non-blocking for CUDA).
+        """
+        n = self._check_block(split, block_size)
+        if isinstance(indices, torch.Tensor):
+            starts = indices.detach().to("cpu", torch.int64).numpy()
+        else:
+            starts = np.asarray(indices, dtype=np.int64)
+        if starts.ndim != 1:
+            raise ValueError(f"indices must be 1-D, got shape {tuple(starts.shape)}")
+        if starts.size and (starts.min() < 0 or starts.max() > n - block_size - 1):
+            raise ValueError(
+                f"indices must lie in [0, {n - block_size - 1}] for block_size {block_size} on "
+                f"split {split!r} ({n} tokens); got min {starts.min()}, max {starts.max()}"
+            )
+        window = starts[:, None] + np.arange(block_size + 1, dtype=np.int64)[None, :]
+        chunk = torch.from_numpy(self._arrays[split][window].astype(np.int64))
+        x = chunk[:, :-1].contiguous()
+        y = chunk[:, 1:].contiguous()
+        if device is not None:
+            device = torch.device(device)
+            if device.type == "cuda":
+                x = x.pin_memory().to(device, non_blocking=True)
+                y = y.pin_memory().to(device, non_blocking=True)
+            else:
+                x, y = x.to(device), y.to(device)
+        return x, y
+
+    def get_batch(
+        self,
+        split: str,
+        batch_size: int,
+        block_size: int,
+        generator: torch.Generator,
+        device: torch.device | str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``sample_indices`` then ``batch``: returns ``(x, y, indices)``."""
+        idx = self.sample_indices(split, batch_size, block_size, generator)
+        x, y = self.batch(split, idx, block_size, device=device)
+        return x, y, idx
