@@ -19,6 +19,26 @@ def _add_train(sub) -> None:
     p.add_argument("--replay", metavar="RUN_DIR", help="use the batches logged by another run, step for step")
 
 
+def _add_lab(sub) -> None:
+    p = sub.add_parser("lab", help="rounding-bias lab: the study's arithmetic facts with verdicts, open questions")
+    p.add_argument("--quick", action="store_true", help="fewer conditions and instances (about 30 s)")
+    p.add_argument("--out", default="lab", help="output folder for lab.json, lab.md and figures (default: lab)")
+    p.add_argument("--policy", default="paper", help="arithmetic the study's facts are tested in (default: paper)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _lab(args) -> int:
+    from .experiments import lab
+    from .experiments.lab.report import write_lab
+    result = lab.run_lab(quick=args.quick, policy=args.policy, seed=args.seed, progress=lambda m: print(f"  {m}"))
+    paths = write_lab(result, args.out)
+    width = max(len(k) for k in result["verdicts"])
+    for key, verdict in result["verdicts"].items():
+        print(f"{key:<{width}}  {verdict}")
+    print(f"{len(result['rows'])} measurements in {result['runtime_s']:.0f} s; tables in {paths['md']}")
+    return 0
+
+
 def _train(args) -> int:
     from .train import EXIT_DIVERGED, load_config, train
     cfg = load_config(args.config, args.overrides)
@@ -39,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from .data.command import add_prepare_arguments, run_prepare
     add_prepare_arguments(sub.add_parser("prepare", help="tokenize a corpus into nanoGPT-style train.bin / val.bin"))
     _add_train(sub)
+    _add_lab(sub)
     # key=value overrides may stand anywhere after `train CONFIG` (argparse cannot interleave
     # them with --out), so they are collected from the arguments argparse does not know
     args, extra = parser.parse_known_args(argv)
@@ -55,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_prepare(args)
         if args.command == "train":
             return _train(args)
+        if args.command == "lab":
+            return _lab(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:  # ConfigError is a ValueError
         print(f"flashguard {args.command}: error: {e}", file=sys.stderr)
         return 2
