@@ -9,7 +9,7 @@ import torch
 from ...attention import flash_forward, get_stabilizer, reference_attention
 from ...attention.flash import _delta as policy_delta
 from ...numerics import get_policy
-from ...numerics.arith import cast, rounding
+from ...numerics.arith import cast, rounding, rowsum
 from .problems import Problem, make_problem
 from .stats import ErrorStats, error_stats
 
@@ -25,11 +25,17 @@ class Measurement:
     delta: ErrorStats      # delta_lp - delta_exact, per row
     pbar_one: float        # fraction of Pbar entries exactly 1
     rows_with_two_ones: float  # fraction of rows where >= 2 Pbar are exactly 1 (the tie mechanism)
+    # where the O error comes from (single key tile): the rounding of the PV sum against the
+    # exact sum of the same rounded Pbar times V, and the rounding of the row sum l likewise
+    pv_err: ErrorStats | None = None
+    l_err: ErrorStats | None = None
 
     def to_dict(self) -> dict:
         return {"condition": self.problem.label(), "problem": self.problem.to_dict(), "policy": self.policy,
                 "stabilizer": self.stabilizer, "o": self.o.to_dict(), "delta": self.delta.to_dict(),
-                "pbar_one": self.pbar_one, "rows_with_two_ones": self.rows_with_two_ones}
+                "pbar_one": self.pbar_one, "rows_with_two_ones": self.rows_with_two_ones,
+                "pv_err": self.pv_err.to_dict() if self.pv_err else None,
+                "l_err": self.l_err.to_dict() if self.l_err else None}
 
 
 def measure(problem: Problem, precision="paper", stabilizer="none", block_k: int = 512) -> Measurement:
@@ -39,7 +45,10 @@ def measure(problem: Problem, precision="paper", stabilizer="none", block_k: int
     qc, kc, vc, doc = (cast(x, policy.inputs) for x in (q, k, v, do))
     counts = torch.zeros(3, dtype=torch.float64)  # ones, entries, rows with >= 2 ones
 
-    def observe(tile, pbar, **_):
+    seen = []
+
+    def observe(tile, pbar, pv, **_):
+        seen.append((pbar, pv))
         ones = pbar == 1
         counts[0] += ones.sum()
         counts[1] += ones.numel()
@@ -55,6 +64,15 @@ def measure(problem: Problem, precision="paper", stabilizer="none", block_k: int
     exact = reference_attention(qc.double(), kc.double(), vc.double())
     delta_hp = (doc.double() * exact).sum(-1, keepdim=True)
     rows = counts[1] / max(problem.t, 1)
+    pv_err = l_err = None
+    if len(seen) == 1:  # one key tile: the tile's PV and row sum are the whole row's
+        pbar, pv = seen[0]
+        pv_err = error_stats(pv.double() - pbar.double() @ vc.double())
+        if policy.row_sum_rounded:
+            l_lp = rowsum(pbar, policy.stats)
+            if policy.row_sum_floor is not None:
+                l_lp = l_lp.clamp(min=policy.row_sum_floor)
+            l_err = error_stats(l_lp.double() - pbar.double().sum(-1, keepdim=True))
     return Measurement(problem, policy.short_str(), str(stab), error_stats(o.double() - exact),
                        error_stats(delta_lp.double() - delta_hp), float(counts[0] / counts[1]),
-                       float(counts[2] / rows) if rows else 0.0)
+                       float(counts[2] / rows) if rows else 0.0, pv_err, l_err)

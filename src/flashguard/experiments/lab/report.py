@@ -57,6 +57,14 @@ def render_markdown(result: dict) -> str:
         md.append(_table(["condition", "none", "paper beta=2", "paper beta=7", "safe"],
                          [[c] + [_cell(cells[(pol, s)]) if (pol, s) in cells else "" for s in stabs]
                           for c, cells in piv.items()]))
+    src = [r for r in rows if r["experiment"] == "stabilizers" and r["policy"] == "paper" and r.get("l_err")]
+    if src:
+        md += ["", "## Where the bias comes from in the reference arithmetic", "",
+               "Bias ratio of the rounding of the PV sum (against the exact sum of the same rounded Pbar",
+               "times V) and of the bf16 row sum l (against the exact sum of the same Pbar), next to O's.", ""]
+        md.append(_table(["condition", "stabilizer", "PV sum", "row sum l", "O"],
+                         [[r["condition"], r["stabilizer"], _cell(r, "pv_err"), _cell(r, "l_err"), _cell(r)]
+                          for r in src]))
     fmt_rows = [r for r in rows if r["experiment"] == "formats"]
     policies = list(dict.fromkeys(r["policy"] for r in fmt_rows))
     piv = _pivot(rows, "formats", set(policies), {"none", "safe"})
