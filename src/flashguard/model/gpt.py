@@ -27,7 +27,6 @@ branches, as in GPT-2. The study trains with dropout 0.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import numbers
 from dataclasses import dataclass
@@ -198,10 +197,6 @@ def layer_specs(default: AttentionSpec, overrides: Mapping[Any, Mapping[str, Any
     return specs
 
 
-def _accepts_softcap(fn) -> bool:
-    return "softcap" in inspect.signature(fn).parameters
-
-
 # --------------------------------------------------------------------------------------------
 # modules
 
@@ -232,12 +227,6 @@ class CausalSelfAttention(nn.Module):
     def spec(self, spec: AttentionSpec) -> None:
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
-        if self.softcap is not None:
-            fn = flash_attention if spec.backend == "flash" else reference_attention
-            if not _accepts_softcap(fn):
-                raise NotImplementedError(
-                    f"attn_softcap is set but flashguard.attention.{fn.__name__} has no softcap "
-                    f"option yet (layer {self.layer_index}, backend {spec.backend!r})")
         self._spec = spec
 
     @property
@@ -250,17 +239,16 @@ class CausalSelfAttention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of (B, H, T, D) tensors with this layer's backend -> (B, H, T, D)."""
         backend = self.effective_backend
-        extra = {} if self.softcap is None else {"softcap": self.softcap}
         if backend == "sdpa":
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         if backend == "flash":
             s = self.spec
             return flash_attention(q, k, v, is_causal=True, precision=s.precision,
                                    stabilizer=s.stabilizer, block_q=s.block_q, block_k=s.block_k,
-                                   **extra)
+                                   softcap=self.softcap)
         # reference: the math in fp32, whatever autocast would do to its matmuls
         with torch.autocast(q.device.type, enabled=False):
-            y = reference_attention(q, k, v, is_causal=True, dtype=torch.float32, **extra)
+            y = reference_attention(q, k, v, is_causal=True, dtype=torch.float32, softcap=self.softcap)
         return y.to(v.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
