@@ -46,7 +46,7 @@ def render_markdown(result: dict) -> str:
           f"{result['versions']['torch']}; {result['runtime_s']:.0f} s.", "",
           "Cells are the bias ratio mean(err) / mean(|err|) of O (0: unbiased, +-1: every error one sign)",
           "with its 95% CI over instances; **+** / **-** marks a significant bias (sign test p < 0.01,",
-          "|ratio| >= 0.05, CI of the mean excluding 0).", "", "## Verdicts", ""]
+          "|ratio| >= 0.05, CI of the mean excluding 0, mean |error| above 1e-9).", "", "## Verdicts", ""]
     md.append(_table(["experiment", "verdict", "evidence"],
                      [[_TITLES.get(k, k), f"**{v}**", "<br>".join(result["details"][k])]
                       for k, v in result["verdicts"].items()]))

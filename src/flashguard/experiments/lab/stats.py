@@ -14,6 +14,7 @@ __all__ = ["ErrorStats", "error_stats", "sign_test_p", "BIAS_RATIO_MIN", "P_MAX"
 
 BIAS_RATIO_MIN = 0.05   # |mean| / mean|err| below this is "no practical bias"
 P_MAX = 0.01            # sign-test p-value below which a lean is significant
+NOISE_FLOOR = 1e-9      # errors this small are the fp64 reference's own round-off (e.g. V = 1)
 
 
 def sign_test_p(pos: int, neg: int) -> float:
@@ -42,7 +43,8 @@ class ErrorStats:
 
     @property
     def biased(self) -> bool:
-        return self.p_sign < P_MAX and abs(self.bias_ratio) >= BIAS_RATIO_MIN and abs(self.mean) > self.ci95
+        return (self.p_sign < P_MAX and abs(self.bias_ratio) >= BIAS_RATIO_MIN and abs(self.mean) > self.ci95
+                and self.mean_abs > NOISE_FLOOR)
 
     @property
     def verdict(self) -> str:
