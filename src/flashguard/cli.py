@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     add_prepare_arguments(sub.add_parser("prepare", help="tokenize a corpus into nanoGPT-style train.bin / val.bin"))
     _add_train(sub)
     _add_lab(sub)
+    from .diagnostics.command import add_diagnose_arguments, run_diagnose
+    add_diagnose_arguments(sub.add_parser("diagnose", help="run the mechanism probes on a run's checkpoint and batch"))
     # key=value overrides may stand anywhere after `train CONFIG` (argparse cannot interleave
     # them with --out), so they are collected from the arguments argparse does not know
     args, extra = parser.parse_known_args(argv)
@@ -78,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "lab":
             return _lab(args)
+        if args.command == "diagnose":
+            return run_diagnose(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:  # ConfigError is a ValueError
         print(f"flashguard {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -91,6 +91,10 @@ class TrainConfig:
     on_divergence: str = "stop"       # stop | continue
     tensorboard: bool = False
     progress: bool = True
+    # --- diagnostics (flashguard.diagnostics.trainer) ---
+    diagnostics_every: int = 0        # probes every N steps, on the step's own batch (0: off; 50 recommended)
+    diagnostics_layers: list = field(default_factory=list)  # layer indices to probe, e.g. [1]; empty: all
+    # --- end diagnostics ---
 
 
 @dataclass
@@ -133,6 +137,9 @@ def _check_value(key: str, value, annotation):
     elif base is dict:
         if isinstance(value, dict):
             return value
+    elif base is list:  # (diagnostics) element types are checked in _validate
+        if isinstance(value, list):
+            return list(value)
     raise ConfigError(f"{key} must be {getattr(base, '__name__', base)}, got {value!r} ({type(value).__name__})")
 
 
@@ -179,6 +186,11 @@ def _validate(cfg: RunConfig) -> None:
     need(t.keep_last >= 1, "train.keep_last", "must be >= 1")
     need(t.eval_batches >= 1, "train.eval_batches", "must be >= 1")
     need(t.log_every >= 1, "train.log_every", "must be >= 1")
+    # --- diagnostics ---
+    need(t.diagnostics_every >= 0, "train.diagnostics_every", "must be >= 0 (0: off)")
+    need(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in t.diagnostics_layers),
+         "train.diagnostics_layers", f"must be a list of layer indices (e.g. [1]), got {t.diagnostics_layers!r}")
+    # --- end diagnostics ---
     need(o.lr > 0 and math.isfinite(o.lr), "optim.lr", "must be a positive number")
     need(0 <= o.min_lr <= o.lr, "optim.min_lr", "must lie in [0, optim.lr]")
     need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
@@ -251,6 +263,8 @@ def _toml_value(v) -> str:
         return repr(v)
     if isinstance(v, str):
         return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):  # (diagnostics)
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(f"cannot write {v!r} to TOML")
 
 

@@ -221,9 +221,19 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
         raw_model.train()
         return float(sum(losses) / len(losses))
 
+    # --- diagnostics (flashguard.diagnostics.trainer): probes every train.diagnostics_every steps
+    # on the step's own forward/backward, run before optimizer.step(); monitor on every step ---
+    diag = None
+    if main and t.diagnostics_every:
+        from ..diagnostics.trainer import TrainerDiagnostics
+        diag = TrainerDiagnostics(cfg, raw_model, run_dir, start=start, log_fn=log_fn)
+    # --- end diagnostics ---
+
     last_loss, diverged, step = float("nan"), False, start
     try:
         for step in range(start, t.steps):
+            if diag is not None:  # (diagnostics) capture hooks when the probes are due
+                diag.begin(step)
             t0 = time.perf_counter()
             lr = learning_rate(step, o, t.steps)
             for g in optimizer.param_groups:
@@ -248,6 +258,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
             train_loss = _all_mean(loss_sum, world).item()
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), o.grad_clip or float("inf")).item()
             record = {"step": step, "loss/train": train_loss, "optim/lr": lr, "grad/norm": grad_norm}
+            if diag is not None:  # (diagnostics) probes + monitor into the record, before optimizer.step()
+                diag.end(step, record, grad_scale=t.grad_accum)
             bad = not math.isfinite(train_loss) or not math.isfinite(grad_norm) or (
                 t.divergence_loss is not None and train_loss > t.divergence_loss)
             if bad:
@@ -273,7 +285,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
                 best_val = val if is_best else best_val
             else:
                 is_best = False
-            if step % t.log_every == 0 or "loss/val" in record or bad:
+            if step % t.log_every == 0 or "loss/val" in record or bad or "time/diagnostics_s" in record:
                 metrics.write(record)
                 if tb is not None:
                     for k, v in record.items():
@@ -293,6 +305,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
                 if world > 1:
                     dist.barrier()
     finally:
+        if diag is not None:  # (diagnostics)
+            diag.close()
         metrics.close()
         batches.close()
         if bar is not None:

@@ -1,0 +1,112 @@
+"""Training-time overhead of the diagnostics probes on the tiny-cpu preset.
+
+    python benchmarks/diagnostics.py [--every 100] [--steps 100] [--rounds 2] [--layers ...]
+
+Two copies of the tiny-cpu GPT-2 (4 layers, width 256, T = 256, batch 16, flash attention in
+the `paper` arithmetic, bf16 autocast, AdamW) train on the same batches in the same process:
+one plain, one with the trainer's diagnostics hook (TrainerDiagnostics: capture hooks on the
+step's own forward/backward, every probe on every layer, monitor, probe-state snapshots) at
+interval --every. Rounds of --steps steps alternate between the two, so that a machine
+whose speed drifts (other jobs) affects both alike. Prints the median step time of each,
+their ratio (the overhead at that interval, measured), the mean cost of one probe and the
+overhead that cost implies at other intervals: cost / (interval x plain step time).
+Target (issue 4): <= 10 % at the default interval (flashguard.diagnostics.DEFAULT_EVERY).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from flashguard.diagnostics import DEFAULT_EVERY, TrainerDiagnostics
+from flashguard.model import GPT, AttentionSpec, model_config
+from flashguard.train.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--every", type=int, default=DEFAULT_EVERY, help="probe interval (steps)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per round (default: --every)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--layers", type=int, nargs="*", default=[], help="layers to probe (default: all)")
+    args = ap.parse_args()
+    steps = args.steps or args.every
+    cfg = load_config(ROOT / "configs" / "tiny-cpu.toml",
+                      [f"train.diagnostics_every={args.every}",
+                       "train.diagnostics_layers=[" + ",".join(map(str, args.layers)) + "]"])
+    mcfg = model_config("tiny-cpu")
+    spec = AttentionSpec(backend="flash", precision=cfg.attention.precision, stabilizer=cfg.attention.stabilizer)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, mcfg.vocab_size, (args.batch, mcfg.block_size), generator=g),) * 2
+               for _ in range(8)]
+    batches = [(x, torch.roll(x, -1, dims=1)) for x, _ in batches]
+    run_dir = Path(tempfile.mkdtemp(prefix="fg-diag-bench-"))
+    setups = {}
+    for name in ("plain", "probed"):
+        torch.manual_seed(0)
+        model = GPT(mcfg, spec)
+        opt = model.configure_optimizer(weight_decay=0.0, lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+        diag = TrainerDiagnostics(cfg, model, run_dir, log_fn=lambda *_: None) if name == "probed" else None
+        setups[name] = {"model": model, "opt": opt, "diag": diag, "step": 0, "times": [], "probe_s": []}
+
+    def run(name, n):
+        s = setups[name]
+        model, opt, diag = s["model"], s["opt"], s["diag"]
+        for _ in range(n):
+            step = s["step"]
+            x, y = batches[step % len(batches)]
+            t0 = time.perf_counter()
+            if diag is not None:
+                diag.begin(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(x, y)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+            record = {"step": step, "loss/train": loss.item(), "grad/norm": gn}
+            if diag is not None:
+                diag.end(step, record)
+                if "time/diagnostics_s" in record:
+                    s["probe_s"].append(record["time/diagnostics_s"])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            s["times"].append(time.perf_counter() - t0)
+            s["step"] += 1
+
+    for name in setups:  # warm-up without probes, then count steps from 0 (the first probe is at step 0)
+        diag, setups[name]["diag"] = setups[name]["diag"], None
+        run(name, 2)
+        setups[name].update(diag=diag, step=0, times=[])
+    totals = {"plain": [], "probed": []}
+    for _ in range(args.rounds):
+        for name in ("plain", "probed"):
+            t0 = time.perf_counter()
+            run(name, steps)
+            totals[name].append(time.perf_counter() - t0)
+    plain, probed = statistics.median(totals["plain"]), statistics.median(totals["probed"])
+    step_s = statistics.median(setups["plain"]["times"])
+    probe_s = setups["probed"]["probe_s"]
+    cost = statistics.mean(probe_s) if probe_s else float("nan")
+    layers = args.layers or list(range(mcfg.n_layer))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; tiny-cpu, batch {args.batch} x T "
+          f"{mcfg.block_size}, flash[{cfg.attention.precision},{cfg.attention.stabilizer}], bf16 autocast; "
+          f"probes on layers {layers} every {args.every} steps; {args.rounds} rounds of {steps} steps")
+    print(f"plain:  {plain:8.2f} s per round (median step {step_s:.3f} s)")
+    print(f"probed: {probed:8.2f} s per round ({len(probe_s)} probes, {cost:.2f} s each = "
+          f"{cost / step_s:.1f} plain steps)")
+    ratio = probed / plain
+    print(f"measured overhead at every {args.every}: {100 * (ratio - 1):+.1f} %  (probed / plain = {ratio:.3f})")
+    for n in sorted({10, 25, 50, 100, 200, 500, args.every}):
+        print(f"  implied overhead at every {n:>4}: {100 * cost / (n * step_s):5.1f} %")
+    ok = ratio - 1 <= 0.10
+    print(f"  {'PASS' if ok else 'MISS'}  overhead <= 10 % at every {args.every}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""``flashguard diagnose RUN_DIR [--step S] [--layers 1 2] [--out FILE]``: the probes on a checkpoint.
+
+Loads the checkpoint after S completed steps (default: the latest), rebuilds the model from
+the configuration stored in it, takes the batch the run logged for step S in batches.jsonl
+(the batch it trained on next; the closest earlier logged step if S has none, e.g. for the
+final checkpoint), runs a forward and backward (under the run's autocast; the model in eval
+mode, so without dropout) and the probes. The probe state saved by the trainer before step S
+is continued when present (growth rates, delta running sum, cosine with the last probe), so
+a checkpoint at a probe step reproduces the trainer's own probe record of that step.
+
+Prints a table per layer and writes everything (metrics, per-feature O bias, singular-value
+spectrum, what ran) as JSON to --out (default RUN_DIR/diagnostics/diagnose_<S>.json).
+``--monitor`` instead replays RUN_DIR/metrics.jsonl through the early-warning monitor.
+
+Wiring (flashguard.cli)::
+
+    add_diagnose_arguments(sub.add_parser("diagnose", help="..."))
+    ...
+    if args.command == "diagnose":
+        return run_diagnose(args)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+__all__ = ["add_diagnose_arguments", "run_diagnose", "diagnose", "format_table", "main"]
+
+
+def add_diagnose_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="a run folder made by `flashguard train`")
+    parser.add_argument("--step", type=int, default=None,
+                        help="checkpoint step (the state after that many steps; default: the latest)")
+    parser.add_argument("--layers", type=int, nargs="+", default=None, help="layer indices to probe (default: all)")
+    parser.add_argument("--out", default=None, help="JSON output (default RUN_DIR/diagnostics/diagnose_<step>.json)")
+    parser.add_argument("--data", default=None, help="data folder (default: the run's data.dir)")
+    parser.add_argument("--sequences", type=int, default=None, help="probe only the first N sequences of the batch")
+    parser.add_argument("--precision", default=None,
+                        help="shadow policy for every probed layer (default: each layer's own; "
+                             "needed for layers that do not run flash attention)")
+    parser.add_argument("--stabilizer", default=None, help="stabilizer for the shadow (default: the layer's)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="do not continue the trainer's probe state (no growth rates or running sums)")
+    parser.add_argument("--no-grad-error", action="store_true", help="skip the W_Q gradient-error probe")
+    parser.add_argument("--heads", action="store_true", help="also print the per-head table")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--monitor", action="store_true",
+                        help="only replay RUN_DIR/metrics.jsonl through the early-warning monitor")
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return str(x)
+        if x == 0:
+            return "0"
+        return f"{x:.3g}" if 1e-3 <= abs(x) < 1e5 else f"{x:.2e}"
+    return str(x)
+
+
+_COLUMNS = [
+    ("W_Q max", "weights/wq_spectral_norm_max/L{l}"),
+    ("growth", "weights/wq_growth_max/L{l}"),
+    ("max|S|", "attn/max_logit/L{l}"),
+    ("sink", "attn/sink_mass/L{l}"),
+    ("ties", "numerics/tie_rate/L{l}"),
+    ("Pbar=1", "numerics/pbar_one/L{l}"),
+    ("2xPbar=1", "numerics/pbar_one_multi/L{l}"),
+    ("O bias", "numerics/o_err_bias/L{l}"),
+    ("O bias.sgnV", "numerics/o_err_bias_vsign/L{l}"),
+    ("d.err rel", "numerics/delta_err_rel/L{l}"),
+    ("d.err>0", "numerics/delta_err_pos_frac/L{l}"),
+    ("d.cumsum", "numerics/delta_err_cumsum/L{l}"),
+    ("E sv1", "grad/wq_err_sv1/L{l}"),
+    ("E rank1", "grad/wq_err_rank1_frac/L{l}"),
+    ("E rel", "grad/wq_err_rel/L{l}"),
+    ("cos prev", "grad/wq_err_cos_prev/L{l}"),
+    ("align", "grad/wq_err_align_top/L{l}"),
+]
+
+_HEAD_COLUMNS = [
+    ("|W_Q|", "weights/wq_spectral_norm/L{l}H{h}"),
+    ("W_Q growth", "weights/wq_growth/L{l}H{h}"),
+    ("|W_K|", "weights/wk_spectral_norm/L{l}H{h}"),
+    ("max|S|", "attn/max_logit/L{l}H{h}"),
+    ("sink", "attn/sink_mass/L{l}H{h}"),
+    ("ties", "numerics/tie_rate/L{l}H{h}"),
+    ("Pbar=1", "numerics/pbar_one/L{l}H{h}"),
+    ("E norm", "grad/wq_err_norm/L{l}H{h}"),
+    ("align", "grad/wq_err_align_top/L{l}H{h}"),
+]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def format_table(metrics: dict, layers: list[int], *, n_head: int | None = None, attention: dict | None = None) -> str:
+    """A readable per-layer (and, with ``n_head``, per-head) table of probe metrics."""
+    header = ["layer", "attention"] + [c for c, _ in _COLUMNS]
+    rows = []
+    for layer in layers:
+        rows.append([f"L{layer}", (attention or {}).get(layer, "")]
+                    + [_fmt(metrics.get(k.format(l=layer))) for _, k in _COLUMNS])
+    out = _table(header, rows)
+    if n_head:
+        header = ["head"] + [c for c, _ in _HEAD_COLUMNS]
+        rows = [[f"L{layer}H{h}"] + [_fmt(metrics.get(k.format(l=layer, h=h))) for _, k in _HEAD_COLUMNS]
+                for layer in layers for h in range(n_head)]
+        out += "\n\n" + _table(header, rows)
+    return out
+
+
+def _pick_checkpoint(run_dir: Path, step: int | None):
+    from ..train.checkpoint import list_checkpoints
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'}")
+    if step is None:
+        return found[-1]
+    for s, p in found:
+        if s == step:
+            return s, p
+    raise ValueError(f"no checkpoint at step {step} in {run_dir / 'checkpoints'}; "
+                     f"available: {', '.join(str(s) for s, _ in found)}")
+
+
+def _batch_for(run_dir: Path, step: int) -> tuple[int, list[int]]:
+    from ..train.loop import JsonlLog
+    logged = {r["step"]: r["indices"] for r in JsonlLog.read(run_dir / "batches.jsonl") if "step" in r}
+    earlier = [s for s in logged if s <= step]
+    if not earlier:
+        raise ValueError(f"{run_dir / 'batches.jsonl'} has no batch at or before step {step}")
+    s = max(earlier)
+    return s, logged[s]
+
+
+def _clean(x):
+    """JSON-safe: non-finite floats become None."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def diagnose(run_dir, *, step: int | None = None, layers=None, data_dir=None, sequences: int | None = None,
+             precision=None, stabilizer=None, fresh: bool = False, grad: bool = True, device: str = "cpu") -> dict:
+    """Run the probes on a checkpoint of ``run_dir``; returns the result dict written by the command."""
+    import torch
+
+    from ..data import TokenDataset
+    from ..train.checkpoint import load_checkpoint
+    from ..train.config import config_from_dict
+    from ..train.loop import build_model
+    from .capture import capture_batch, resolve_layers
+    from .probes import run_probes
+    from .state import ProbeState
+
+    run_dir = Path(run_dir)
+    ckpt_step, ckpt_path = _pick_checkpoint(run_dir, step)
+    state = load_checkpoint(ckpt_path)
+    cfg = config_from_dict(state["config"])
+    data = TokenDataset(data_dir or cfg.data.dir)
+    model = build_model(cfg, data.vocab_size)
+    model.load_state_dict(state["model"])
+    model.to(device).eval()
+    layers = resolve_layers(model.config.n_layer, layers)
+    batch_step, indices = _batch_for(run_dir, ckpt_step)
+    if sequences is not None:
+        if sequences < 1:
+            raise ValueError(f"--sequences must be >= 1, got {sequences}")
+        indices = indices[:sequences]
+    x, y = data.batch("train", torch.tensor(indices, dtype=torch.long), model.config.block_size)
+    caps, loss = capture_batch(model, x, y, layers, autocast=cfg.train.autocast)
+    pstate = None if fresh else ProbeState.load_before(run_dir, ckpt_step)
+    continued = pstate is not None
+    pstate = pstate or ProbeState()
+    details: dict = {}
+    metrics = run_probes(model, caps, state=pstate, step=ckpt_step, grad=grad, precision=precision,
+                         stabilizer=stabilizer, details=details)
+    attention = {i: model.transformer.h[i].attn.spec.short_str() for i in layers}
+    if precision is not None or stabilizer is not None:
+        attention = {i: f"{a} (shadow: {precision or 'own'}, {stabilizer or 'own'})" for i, a in attention.items()}
+    return {
+        "run_dir": str(run_dir), "checkpoint": str(ckpt_path), "step": ckpt_step, "batch_step": batch_step,
+        "sequences": len(indices), "layers": layers, "attention": attention, "loss": loss,
+        "autocast": cfg.train.autocast, "state_continued": continued, "n_head": model.config.n_head,
+        "versions": {"torch": torch.__version__}, "metrics": metrics, "details": details,
+    }
+
+
+def run_diagnose(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        print(f"flashguard diagnose: error: {run_dir} is not a folder", file=sys.stderr)
+        return 2
+    if args.monitor:
+        from .monitor import evaluate_run
+        ev = evaluate_run(run_dir)
+        print(ev.summary())
+        for s, reasons in ev.warnings:
+            print(f"  warning at step {s}: {'; '.join(reasons)}")
+        if args.out:
+            from ..utils.atomic import atomic_write_text
+            atomic_write_text(args.out, json.dumps(_clean(ev.to_dict()), indent=1) + "\n")
+        return 0
+    try:
+        res = diagnose(run_dir, step=args.step, layers=args.layers, data_dir=args.data, sequences=args.sequences,
+                       precision=args.precision, stabilizer=args.stabilizer, fresh=args.fresh,
+                       grad=not args.no_grad_error, device=args.device)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"flashguard diagnose: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{run_dir}: checkpoint at step {res['step']}, batch of step {res['batch_step']} "
+          f"({res['sequences']} sequences, {res['autocast']} autocast), loss {res['loss']:.4f}"
+          + ("" if res["state_continued"] else "; no earlier probe state (no growth rates or running sums)"))
+    print(format_table(res["metrics"], res["layers"], n_head=res["n_head"] if args.heads else None,
+                       attention=res["attention"]))
+    out = Path(args.out) if args.out else run_dir / "diagnostics" / f"diagnose_{res['step']:07d}.json"
+    from ..utils.atomic import atomic_write_text
+    atomic_write_text(out, json.dumps(_clean(res), indent=1) + "\n")
+    print(f"written: {out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    """Standalone entry point (until the CLI wires ``flashguard diagnose``)."""
+    ap = argparse.ArgumentParser(prog="flashguard diagnose", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_diagnose_arguments(ap)
+    return run_diagnose(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,410 @@
+"""Early-warning monitor: metrics records in, a state out (0 ok, 1 watch, 2 warning).
+
+The monitor reads the records a run writes to metrics.jsonl, one per step, in order: the
+trainer's own keys (``loss/train``, ``grad/norm``) every step and the probe keys every
+``train.diagnostics_every`` steps. Online, the trainer feeds it every step's record and writes
+``monitor/state`` into it (and a console line when the state changes); offline,
+``evaluate_run`` replays a finished run and measures what the monitor would have said.
+
+Signals and thresholds (``MonitorThresholds``). Provisional: set from the study's account, the
+CPU probe runs in shared/cpu-probes.md and one stable 300-step tiny-cpu run with probes (bf16
+`paper` arithmetic: every W_Q head grew 0.48 -> 1.7 by step 175 at up to 1.6 per 100 steps,
+then levelled off below 0.5 per 100 steps; max |logit| reached 31). No divergent run with
+probes exists yet: recalibrate with ``evaluate_run`` when one does.
+Nothing is judged before ``ignore_before``: right after the warm-up the weights grow as fast
+as in a runaway. ``MonitorThresholds.for_warmup(w)`` (used by the trainer and by
+``evaluate_run``) sets it to 2 x the warm-up steps.
+
+Growth signals (the feedback loop of the study: W_Q grows, logits grow, gradients spike):
+  wq_growth       fastest per-head W_Q spectral-norm growth, from ``weights/wq_spectral_norm/*``
+                  over the last ``growth_window`` (100) steps (at least half of it), as
+                  log-growth per 100 steps: watch >= 0.4, warning >= 0.8. In the CPU probe runs
+                  a runaway layer grew 1.7 -> 11 in 300 steps (0.62 per 100 steps on average).
+                  (A window, not the probe-to-probe ``weights/wq_growth``, so that a short probe
+                  interval does not turn norm noise into growth.)
+  wq_norm_ratio   largest ratio of a head's W_Q spectral norm to its value ``ratio_window``
+                  (1,000) steps earlier (or at the first probe judged, if later): watch >= 2,
+                  warning >= 4 (stable CPU runs: 1.7 -> 2.9 over steps 300-2,000).
+  max_logit       largest |attention logit| of any layer, ``attn/max_logit/L*``: watch >= 50,
+                  warning >= 200 (bf16 resolves a logit of 64 only to 0.25-0.5).
+  grad_spike      ``grad/norm`` over the median of the previous 50 finite values: watch >= 10,
+                  warning >= 100 or non-finite; a spike keeps its level for 20 steps.
+Probe-based levels must hold at ``persist`` (2) consecutive probes: one noisy probe is not
+enough. Mechanism signals (the study's mechanism is at work; alone only a watch):
+  delta_bias      for some layer, |sum| / sum |.| of the last 8 ``numerics/delta_err_mean``
+                  values >= 0.9 (a consistently signed delta error, the study's bias);
+  grad_err        ``grad/wq_err_cos_prev`` >= 0.5 at ``persist`` consecutive probes (the W_Q
+                  gradient errors point the same way step after step, so they add up).
+State: warning when a growth signal is at warning level, or two growth signals are at watch
+level at once, or a growth signal and a mechanism signal are (growth while the mechanism is
+at work: the loop of the study closing); watch when any signal is at watch level; else ok.
+
+Offline: ``find_divergence`` (the first step with ``event/diverged``, a non-finite loss or
+gradient norm, or a 9-record median loss above 1.5x its best so far) and ``evaluate_run`` ->
+``RunEvaluation`` (first watch and warning, lead time = divergence step - first warning step,
+false alarm = a warning in a run that did not diverge). ``evaluate_runs`` summarises several
+runs: lead times, how many warned >= 200 steps ahead (the goal), false-alarm rate
+(command line: ``python -m flashguard.diagnostics.evaluate RUN_DIR ...``).
+"""
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["OK", "WATCH", "WARNING", "STATE_NAMES", "MonitorThresholds", "MonitorStatus", "Monitor",
+           "RunEvaluation", "find_divergence", "evaluate_run", "evaluate_runs", "read_metrics"]
+
+OK, WATCH, WARNING = 0, 1, 2
+STATE_NAMES = {OK: "ok", WATCH: "watch", WARNING: "warning"}
+
+_WQ_NORM = re.compile(r"^weights/wq_spectral_norm/L(\d+)H(\d+)$")
+_MAX_LOGIT = re.compile(r"^attn/max_logit/L(\d+)$")
+_DELTA = re.compile(r"^numerics/delta_err_mean/L(\d+)$")
+_COS_PREV = re.compile(r"^grad/wq_err_cos_prev/L(\d+)$")
+
+GROWTH_SIGNALS = ("wq_growth", "wq_norm_ratio", "max_logit", "grad_spike")
+MECHANISM_SIGNALS = ("delta_bias", "grad_err")
+
+
+@dataclass(frozen=True)
+class MonitorThresholds:
+    ignore_before: int = 0
+    wq_growth_watch: float = 0.4
+    wq_growth_warn: float = 0.8
+    growth_window: int = 100
+    wq_norm_ratio_watch: float = 2.0
+    wq_norm_ratio_warn: float = 4.0
+    ratio_window: int = 1000
+    max_logit_watch: float = 50.0
+    max_logit_warn: float = 200.0
+    grad_spike_watch: float = 10.0
+    grad_spike_warn: float = 100.0
+    grad_window: int = 50
+    spike_hold: int = 20
+    delta_consistency: float = 0.9
+    delta_window: int = 8
+    grad_err_cos: float = 0.5
+    persist: int = 2
+
+    @classmethod
+    def for_warmup(cls, warmup_steps: int, **changes) -> "MonitorThresholds":
+        """Defaults for a run with this many warm-up steps: nothing judged before 2 x warm-up."""
+        return cls(ignore_before=2 * max(int(warmup_steps), 0), **changes)
+
+
+@dataclass
+class MonitorStatus:
+    step: int
+    state: int
+    reasons: list[str]
+    changed: bool
+
+    @property
+    def name(self) -> str:
+        return STATE_NAMES[self.state]
+
+    def message(self) -> str:
+        why = "; ".join(self.reasons) if self.reasons else "all signals below their thresholds"
+        return f"monitor: step {self.step}: {self.name.upper()} ({why})"
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _level(value: float, watch: float, warn: float) -> int:
+    if not math.isfinite(value):
+        return WARNING
+    return WARNING if value >= warn else WATCH if value >= watch else OK
+
+
+class Monitor:
+    """Feed records in step order with ``update(record)``; each call returns a MonitorStatus."""
+
+    def __init__(self, thresholds: MonitorThresholds | None = None):
+        self.th = thresholds or MonitorThresholds()
+        self.state = OK
+        self.levels: dict[str, int] = {s: OK for s in GROWTH_SIGNALS + MECHANISM_SIGNALS}
+        self.why: dict[str, str] = {}
+        self._raw: dict[str, deque] = {s: deque(maxlen=self.th.persist)
+                                       for s in ("wq_growth", "wq_norm_ratio", "max_logit", "grad_err")}
+        self._norm_hist: dict[str, deque] = {}   # per head: (step, ln norm), the last growth_window
+        self._ratio_hist: dict[str, deque] = {}  # per head: (step, norm), the last ratio_window
+        self._grad_hist: deque = deque(maxlen=self.th.grad_window)
+        self._spike_until = -1
+        self._delta: dict[int, deque] = {}
+
+    # ---- signals ----
+
+    def _persisted(self, name: str, raw: int, why: str) -> None:
+        q = self._raw[name]
+        q.append(raw)
+        level = min(q) if len(q) == q.maxlen else OK
+        self.levels[name] = level
+        if level:
+            self.why[name] = why
+        else:
+            self.why.pop(name, None)
+
+    def _probe_signals(self, step: int, rec: dict) -> None:
+        th = self.th
+        growth = []
+        for k, v in rec.items():
+            if _WQ_NORM.match(k) and _finite(v) and v > 0:
+                hist = self._norm_hist.setdefault(k, deque())
+                hist.append((step, math.log(v)))
+                while len(hist) >= 2 and hist[1][0] <= step - th.growth_window:
+                    hist.popleft()
+                s0, l0 = hist[0]
+                if step - s0 >= th.growth_window / 2:
+                    growth.append((100.0 * (math.log(v) - l0) / (step - s0), k))
+        if growth:
+            v, k = max(growth, key=lambda t: t[0] if math.isfinite(t[0]) else math.inf)
+            self._persisted("wq_growth", _level(v, th.wq_growth_watch, th.wq_growth_warn),
+                            f"W_Q norm growth {v:.3g}/100 steps at {k.split('/')[-1]}")
+        ratios = []
+        for k, v in rec.items():
+            if _WQ_NORM.match(k) and _finite(v) and v > 0:
+                hist = self._ratio_hist.setdefault(k, deque())
+                hist.append((step, v))
+                while len(hist) >= 2 and hist[1][0] <= step - th.ratio_window:
+                    hist.popleft()
+                ratios.append((v / hist[0][1], hist[0][0], k))
+        if ratios:
+            r, since, k = max(ratios)
+            self._persisted("wq_norm_ratio", _level(r, th.wq_norm_ratio_watch, th.wq_norm_ratio_warn),
+                            f"W_Q norm x{r:.3g} since step {since} at {k.split('/')[-1]}")
+        logits = [(v, k) for k, v in rec.items() if _MAX_LOGIT.match(k) and isinstance(v, (int, float))]
+        if logits:
+            v, k = max(logits, key=lambda t: t[0] if math.isfinite(t[0]) else math.inf)
+            self._persisted("max_logit", _level(v, th.max_logit_watch, th.max_logit_warn),
+                            f"max |logit| {v:.3g} in {k.split('/')[-1]}")
+        cos = [(v, k) for k, v in rec.items() if _COS_PREV.match(k) and _finite(v)]
+        if cos:
+            v, k = max(cos)
+            self._persisted("grad_err", WATCH if v >= th.grad_err_cos else OK,
+                            f"W_Q gradient error repeats (cos {v:.2f} with the last probe) in {k.split('/')[-1]}")
+        best = None
+        for k, v in rec.items():
+            m = _DELTA.match(k)
+            if m and _finite(v):
+                q = self._delta.setdefault(int(m.group(1)), deque(maxlen=th.delta_window))
+                q.append(v)
+                if len(q) == q.maxlen:
+                    tot = sum(abs(x) for x in q)
+                    c = abs(sum(q)) / tot if tot > 0 else 0.0
+                    if best is None or c > best[0]:
+                        best = (c, int(m.group(1)), sum(q) > 0)
+        if best is not None:
+            c, layer, pos = best
+            self.levels["delta_bias"] = WATCH if c >= th.delta_consistency else OK
+            if self.levels["delta_bias"]:
+                self.why["delta_bias"] = (f"delta error {'positive' if pos else 'negative'} at "
+                                          f"{c:.0%} consistency over {th.delta_window} probes in L{layer}")
+            else:
+                self.why.pop("delta_bias", None)
+
+    def _grad_signal(self, step: int, rec: dict) -> None:
+        th = self.th
+        g = rec.get("grad/norm")
+        if not isinstance(g, (int, float)) or isinstance(g, bool):
+            return
+        level, why = OK, None
+        if not math.isfinite(g):
+            level, why = WARNING, f"gradient norm {g}"
+        elif len(self._grad_hist) >= min(10, th.grad_window):
+            med = statistics.median(self._grad_hist)
+            if med > 0:
+                r = g / med
+                level = _level(r, th.grad_spike_watch, th.grad_spike_warn)
+                why = f"gradient norm {g:.3g} = {r:.3g}x its recent median"
+        if math.isfinite(g):
+            self._grad_hist.append(g)
+        if level and (level >= self.levels["grad_spike"] or step > self._spike_until):
+            self.levels["grad_spike"], self.why["grad_spike"] = level, why
+            self._spike_until = step + th.spike_hold
+        elif not level and step > self._spike_until:
+            self.levels["grad_spike"] = OK
+            self.why.pop("grad_spike", None)
+
+    # ---- the state ----
+
+    def update(self, record: dict) -> MonitorStatus:
+        step = int(record.get("step", -1))
+        if step >= self.th.ignore_before:
+            self._probe_signals(step, record)
+            self._grad_signal(step, record)
+        elif _finite(record.get("grad/norm")):
+            self._grad_hist.append(record["grad/norm"])
+        growth = [self.levels[s] for s in GROWTH_SIGNALS]
+        n_growth = sum(1 for x in growth if x >= WATCH)
+        mechanism = any(self.levels[s] >= WATCH for s in MECHANISM_SIGNALS)
+        if max(growth) >= WARNING or n_growth >= 2 or (n_growth and mechanism):
+            state = WARNING
+        elif max(self.levels.values()) >= WATCH:
+            state = WATCH
+        else:
+            state = OK
+        reasons = [self.why[s] for s in GROWTH_SIGNALS + MECHANISM_SIGNALS if self.levels[s] and s in self.why]
+        changed = state != self.state
+        self.state = state
+        return MonitorStatus(step=step, state=state, reasons=reasons, changed=changed)
+
+
+# --------------------------------------------------------------------------------------------
+# offline evaluation
+
+def read_metrics(path) -> list[dict]:
+    """Records of a metrics.jsonl (or of the run folder holding one); a cut last line is dropped."""
+    import json
+    p = Path(path)
+    if p.is_dir():
+        p = p / "metrics.jsonl"
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return out
+
+
+def find_divergence(records: list[dict], *, loss_factor: float = 1.5, smooth: int = 9,
+                    ignore_before: int = 0) -> tuple[int | None, str | None]:
+    """(step, reason) of the explosion, or (None, None): the first record with
+    ``event/diverged``, a non-finite ``loss/train`` or ``grad/norm``, or (from
+    ``ignore_before`` on) a median loss over ``smooth`` records above ``loss_factor`` times the
+    best such median so far."""
+    window: deque = deque(maxlen=smooth)
+    best = None
+    for r in records:
+        step = r.get("step")
+        if step is None:
+            continue
+        loss, g = r.get("loss/train"), r.get("grad/norm")
+        if r.get("event/diverged"):
+            return step, "event/diverged"
+        if isinstance(loss, (int, float)) and not math.isfinite(loss):
+            return step, f"loss {loss}"
+        if isinstance(g, (int, float)) and not math.isfinite(g):
+            return step, f"gradient norm {g}"
+        if not _finite(loss):
+            continue
+        window.append(loss)
+        if len(window) < window.maxlen or step < ignore_before:
+            continue
+        med = statistics.median(window)
+        if best is not None and med > loss_factor * best:
+            return step, f"median loss {med:.4g} > {loss_factor:g} x best {best:.4g}"
+        best = med if best is None else min(best, med)
+    return None, None
+
+
+@dataclass
+class RunEvaluation:
+    run: str | None
+    records: int
+    last_step: int | None
+    diverged: bool
+    divergence_step: int | None
+    divergence_reason: str | None
+    first_watch_step: int | None
+    first_warning_step: int | None
+    lead_time: int | None          # divergence_step - first_warning_step (warning before divergence)
+    false_alarm: bool              # a warning although the run did not diverge
+    has_probes: bool               # the run logged probe metrics (else only grad/loss signals)
+    warnings: list = field(default_factory=list)  # [step, reasons] at each entry into warning
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        name = self.run or "run"
+        probes = "" if self.has_probes else " (no probe metrics: grad/loss signals only)"
+        if self.diverged:
+            if self.lead_time is not None:
+                return (f"{name}: diverged at step {self.divergence_step} ({self.divergence_reason}); first warning "
+                        f"at step {self.first_warning_step}: lead time {self.lead_time} steps{probes}")
+            return (f"{name}: diverged at step {self.divergence_step} ({self.divergence_reason}); no warning "
+                    f"before it{probes}")
+        if self.false_alarm:
+            return (f"{name}: no divergence in {self.last_step} steps; FALSE ALARM: warning at step "
+                    f"{self.first_warning_step}{probes}")
+        return f"{name}: no divergence in {self.last_step} steps; no warning{probes}"
+
+
+def _warmup_of(run_dir: Path) -> int | None:
+    cfg = run_dir / "config.toml"
+    if not cfg.is_file():
+        return None
+    try:
+        from ..train.config import load_config
+        return load_config(cfg).optim.warmup_steps
+    except (ValueError, OSError):
+        return None
+
+
+def evaluate_run(metrics, thresholds: MonitorThresholds | None = None, *, loss_factor: float = 1.5,
+                 name: str | None = None) -> RunEvaluation:
+    """Replay a run's records (a list of dicts, a metrics.jsonl path or a run folder) through a
+    Monitor. Without explicit thresholds: ``MonitorThresholds.for_warmup`` of the run's warm-up
+    (from its config.toml)."""
+    if isinstance(metrics, (str, Path)):
+        p = Path(metrics)
+        run_dir = p if p.is_dir() else p.parent
+        records = read_metrics(p)
+        name = name or run_dir.name
+        if thresholds is None:
+            thresholds = MonitorThresholds.for_warmup(_warmup_of(run_dir) or 0)
+    else:
+        records = list(metrics)
+    th = thresholds or MonitorThresholds()
+    records = sorted((r for r in records if "step" in r), key=lambda r: r["step"])
+    div_step, div_reason = find_divergence(records, loss_factor=loss_factor, ignore_before=th.ignore_before)
+    mon = Monitor(th)
+    first_watch = first_warning = None
+    warnings = []
+    prev = OK
+    for r in records:
+        st = mon.update(r)
+        if div_step is not None and st.step > div_step:
+            break
+        if st.state >= WATCH and first_watch is None:
+            first_watch = st.step
+        if st.state == WARNING and first_warning is None:
+            first_warning = st.step
+        if st.state == WARNING and prev != WARNING:
+            warnings.append([st.step, st.reasons])
+        prev = st.state
+    lead = None
+    if div_step is not None and first_warning is not None and first_warning <= div_step:
+        lead = div_step - first_warning
+    return RunEvaluation(
+        run=name, records=len(records), last_step=records[-1]["step"] if records else None,
+        diverged=div_step is not None, divergence_step=div_step, divergence_reason=div_reason,
+        first_watch_step=first_watch, first_warning_step=first_warning, lead_time=lead,
+        false_alarm=div_step is None and first_warning is not None,
+        has_probes=any(any(_WQ_NORM.match(k) for k in r) for r in records), warnings=warnings)
+
+
+def evaluate_runs(runs, thresholds: MonitorThresholds | None = None, *, goal: int = 200) -> dict:
+    """Evaluate several runs; returns {"runs": [RunEvaluation dicts], "diverged": n, "stable": n,
+    "lead_times": [...], "warned_in_time": n (lead >= goal), "missed": n, "false_alarms": n,
+    "false_alarm_rate": false alarms / stable runs (None without stable runs)}."""
+    evals = [evaluate_run(r, thresholds) for r in runs]
+    div = [e for e in evals if e.diverged]
+    stable = [e for e in evals if not e.diverged]
+    leads = [e.lead_time for e in div if e.lead_time is not None]
+    fa = sum(e.false_alarm for e in stable)
+    return {
+        "runs": [e.to_dict() for e in evals],
+        "diverged": len(div), "stable": len(stable), "lead_times": leads,
+        "warned_in_time": sum(1 for x in leads if x >= goal), "goal_steps": goal,
+        "missed": len(div) - len(leads), "false_alarms": fa,
+        "false_alarm_rate": fa / len(stable) if stable else None,
+    }
+

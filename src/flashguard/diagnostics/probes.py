@@ -1,0 +1,525 @@
+"""Probes: read a model and one batch's attention, return flat dicts of namespaced metrics.
+
+Key names: ``<namespace>/<metric>/L<layer>`` for a layer, ``.../L<layer>H<head>`` for one
+head; layers and heads count from 0 (the study's "layer 2" is ``L1``). Every value is a float.
+
+Weights (``weight_probe``, per layer and head):
+  weights/wq_spectral_norm/LlHh, weights/wk_spectral_norm/LlHh   largest singular value of the
+        head's (head_dim, n_embd) slice of the query / key projection
+  weights/wq_growth/LlHh, weights/wk_growth/LlHh   growth rate against the previous probe:
+        100 * ln(norm_now / norm_prev) / (steps between them), i.e. log-growth per 100 steps
+        (0.1 = +10.5 % per 100 steps); absent at the first probe
+  weights/wq_spectral_norm_max/Ll, weights/wq_growth_max/Ll (and wk_): maxima over heads
+
+Attention (``attention_metrics``, from the fp64 attention of the layer's inputs):
+  attn/max_logit/LlHh, attn/max_logit/Ll     max |S| over visible entries, S = q k^T * scale
+                                               (soft-capped if the model caps)
+  attn/sink_mass/LlHh, attn/sink_mass/Ll     mean probability on the first key (rows 1..T-1
+                                               under the causal mask)
+  attn/sink_top_frac/Ll                      fraction of those rows whose largest weight is key 0
+
+Numerics (``numerics_metrics``; the layer's attention once more in the training policy,
+next to fp64; only for layers whose backend is flash, or with an explicit ``precision``):
+  numerics/tie_rate/LlHh, numerics/tie_rate/Ll   fraction of (row, key tile) pairs whose maximum
+        repeats under the tie rule: >= 2 visible scores >= cast(r - tol) in the policy's scores
+        format, r the tile row's max. tol = the stabilizer's own (``paper``), else the study's
+        1e-3 (``none``, ``safe``: these have no tie rule; the rate then says how often the
+        paper's fix would fire)
+  numerics/pbar_one/LlHh, numerics/pbar_one/Ll   fraction of visible Pbar entries exactly 1
+  numerics/pbar_one_multi/Ll                     fraction of (row, tile) pairs with >= 2 of them
+        (the study's trigger: several V rows enter PV with weight exactly 1)
+  numerics/o_err_bias/Ll         mean of O_policy - O_fp64 over all outputs (signed)
+  numerics/o_err_abs/Ll          mean |O_policy - O_fp64|
+  numerics/o_err_bias_absmax/Ll  max over features (head, dim) of |mean error of that feature|
+  numerics/o_err_bias_vsign/Ll   mean over features of bias_f * sign(mean V_f): > 0 when O is
+        pushed away from zero in the direction V points (the study's mechanism)
+  numerics/delta_err_mean/Ll     mean of delta_lp - delta_hp, delta = rowsum(dO * O); delta_lp as
+        the policy computes it (its delta_source and formats), delta_hp in fp64 from fp64 O,
+        both from the same dO rounded to the policy's input format
+  numerics/delta_err_abs/Ll, numerics/delta_err_rel/Ll (= mean / mean |delta_hp|)
+  numerics/delta_err_pos_frac/Ll fraction of rows where delta_lp > delta_hp
+  numerics/delta_err_cumsum/Ll   running sum of delta_err_mean over the probes so far (ProbeState)
+
+Gradient error (``gradient_error_metrics``): E = J^T (dQ_policy - dQ_fp64), the part of the
+W_Q gradient error that the attention backward causes, mapped through the query projection
+(and the query LayerNorm, if any) in fp64; dQ_policy is the policy's flash backward given the
+policy's own O and lse, as training computes it, cast to the dtype training hands on.
+  grad/wq_err_sv1..sv4/Ll        top singular values of E as a (n_embd, n_embd) matrix
+  grad/wq_err_rank1_frac/Ll      sv1^2 / sum sv^2 (1 = rank one)
+  grad/wq_err_norm/Ll, grad/wq_err_rel/Ll (= |E| / |dW_Q with fp64 attention|, Frobenius)
+  grad/wq_err_cos_prev/Ll        cosine (Frobenius) with the previous probe's E
+  grad/wq_err_cos_sum/Ll         cosine with the sum of all earlier probes' E (accumulation)
+  grad/wq_err_align_top/Ll       |u1^T E v1| / |E|, (u1, v1) W_Q's top singular pair
+  grad/wq_err_top_push/Ll        -u1^T E v1 / |E|: > 0 when a gradient step W -= lr * E grows
+        W_Q's top singular value (first order; plain SGD)
+  grad/wq_err_norm/LlHh, grad/wq_err_align_top/LlHh, grad/wq_err_top_push/LlHh: the same per
+        head, against the head slice's own top singular pair
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import DEFAULT_BLOCK, flash_backward, flash_forward, get_stabilizer
+from ..attention.stabilizers import count_true
+from ..numerics.arith import cast, matmul, rounding, rowsum
+from ..numerics.policy import PrecisionPolicy, get_policy
+from .capture import LayerCapture, resolve_layers
+from .state import ProbeState
+
+__all__ = ["weight_probe", "spectral_norms", "Shadow", "shadow", "attention_metrics", "numerics_metrics",
+           "gradient_error_metrics", "error_structure", "map_dq_to_wq", "probe_layer", "run_probes",
+           "reference64", "DEFAULT_TIE_TOL", "N_SINGULAR"]
+
+DEFAULT_TIE_TOL = 1e-3  # the study's tie rule: >= 2 scores within 1e-3 of the row max
+N_SINGULAR = 4          # singular values of the gradient error written to the metrics
+
+
+def _k(ns: str, name: str, layer: int, head: int | None = None) -> str:
+    return f"{ns}/{name}/L{layer}" + ("" if head is None else f"H{head}")
+
+
+# --------------------------------------------------------------------------------------------
+# weights
+
+def spectral_norms(w: torch.Tensor) -> torch.Tensor:
+    """Largest singular value of each (rows, cols) matrix of a (..., rows, cols) tensor, fp64."""
+    return torch.linalg.matrix_norm(w.detach().to(torch.float64), ord=2)
+
+
+def weight_probe(model, layers=None, *, step: int | None = None, state: ProbeState | None = None) -> dict:
+    """Spectral norms of the per-head W_Q and W_K slices and their growth since the last probe
+    (recorded in ``state``, which this call updates when ``step`` is given)."""
+    out: dict[str, float] = {}
+    for layer in resolve_layers(model.config.n_layer, layers):
+        for name, w in (("wq", model.wq_heads(layer)), ("wk", model.wk_heads(layer))):
+            norms = spectral_norms(w).tolist()
+            growths = []
+            for h, n in enumerate(norms):
+                key = _k("weights", f"{name}_spectral_norm", layer, h)
+                out[key] = n
+                if state is not None and step is not None:
+                    prev = state.norms.get(key)
+                    if prev is not None and step > prev[0] and prev[1] > 0 and n > 0:
+                        g = 100.0 * math.log(n / prev[1]) / (step - prev[0])
+                        out[_k("weights", f"{name}_growth", layer, h)] = g
+                        growths.append(g)
+                    state.norms[key] = (step, n)
+            out[_k("weights", f"{name}_spectral_norm_max", layer)] = max(norms)
+            if growths:
+                out[_k("weights", f"{name}_growth_max", layer)] = max(growths)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# fp64 reference with its probabilities (the oracle reference_attention, opened up: the probes
+# need P and one analytic backward; tests check both against reference_attention + autograd)
+
+@dataclass
+class Reference64:
+    s: torch.Tensor          # (B, H, T, T) scores (after scale and soft-cap), masked = -inf
+    p: torch.Tensor          # (B, H, T, T) probabilities
+    o: torch.Tensor          # (B, H, T, D)
+    keep: torch.Tensor | None  # (T, T) bool, True where visible (None: all)
+    tanh: torch.Tensor | None  # soft-cap tanh, for the backward
+
+
+def reference64(q, k, v, *, causal: bool, scale: float, softcap: float | None = None) -> Reference64:
+    q, k, v = (t.to(torch.float64) for t in (q, k, v))
+    s = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
+    t = None
+    if softcap is not None:
+        t = torch.tanh(s.div_(softcap))
+        s = t * softcap
+    keep = None
+    if causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        s.masked_fill_(~keep, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return Reference64(s=s, p=p, o=p @ v, keep=keep, tanh=t)
+
+
+def reference64_dq(ref: Reference64, k, v, do, *, scale: float) -> torch.Tensor:
+    """dQ of the fp64 attention for output gradient ``do`` (fp64)."""
+    k, v, do = (t.to(torch.float64) for t in (k, v, do))
+    delta = (do * ref.o).sum(dim=-1, keepdim=True)
+    ds = torch.matmul(do, v.transpose(-2, -1)).sub_(delta).mul_(ref.p)      # P * (dP - delta)
+    if ref.tanh is not None:
+        ds.mul_(1.0 - ref.tanh * ref.tanh)
+    return torch.matmul(ds, k).mul_(scale)
+
+
+# --------------------------------------------------------------------------------------------
+# the shadow computation: the layer's attention in its policy next to fp64
+
+@dataclass
+class Shadow:
+    """The layer's attention on one batch in the training policy and in fp64, and the tie
+    statistics the policy's forward saw (per head, summed over the batch)."""
+
+    layer: int
+    policy: PrecisionPolicy | None
+    stabilizer: object | None
+    ref: Reference64
+    q_in: torch.Tensor                 # inputs rounded to the policy's input format
+    k_in: torch.Tensor
+    v_in: torch.Tensor
+    do_in: torch.Tensor | None
+    o_lp: torch.Tensor | None = None   # fp64 copies of the policy's results
+    delta_lp: torch.Tensor | None = None
+    delta_hp: torch.Tensor | None = None
+    dq_lp: torch.Tensor | None = None
+    dq_hp: torch.Tensor | None = None
+    rows: torch.Tensor | None = None           # (H,) (row, tile) pairs with a visible key
+    tied_rows: torch.Tensor | None = None      # (H,) of those, rows whose max repeats
+    entries: torch.Tensor | None = None        # (H,) visible Pbar entries
+    pbar_one: torch.Tensor | None = None       # (H,) of those, exactly 1
+    multi_one_rows: torch.Tensor | None = None  # (H,) (row, tile) pairs with >= 2 entries == 1
+    tie_tol: float | None = None
+
+
+def _resolve(cap: LayerCapture, precision, stabilizer):
+    """The policy and stabilizer the layer trains with (or the explicit ones); (None, None)
+    for a layer whose backend is not flash and no explicit precision."""
+    spec = cap.spec
+    if precision is None:
+        if cap.backend != "flash" or spec is None:
+            return None, None
+        precision = spec.precision
+    if stabilizer is None:
+        stabilizer = spec.stabilizer if (spec is not None and cap.backend == "flash") else "none"
+    return get_policy(precision), get_stabilizer(stabilizer)
+
+
+class _TieCounter:
+    """``observe`` callback of flash_forward: per-head counts of ties and of Pbar == 1."""
+
+    def __init__(self, n_head: int, causal: bool, policy: PrecisionPolicy, tol: float, device):
+        self.causal, self.policy, self.tol = causal, policy, tol
+        z = lambda: torch.zeros(n_head, dtype=torch.float64, device=device)  # noqa: E731
+        self.rows, self.tied, self.entries, self.one, self.multi = z(), z(), z(), z(), z()
+
+    def __call__(self, tile, *, s, hidden, row_max, m_new, pbar, pv):
+        q0, q1, k0, k1 = tile
+        if self.causal and k0 > q1 - 1:
+            return  # a tile the causal mask hides completely (visited by the reference arithmetic only)
+        fmt = self.policy.scores
+        B = s.shape[0]
+        near = s >= cast(row_max - self.tol, fmt)
+        one = pbar == 1
+        if hidden is not None:
+            vis = ~hidden
+            near &= vis
+            one &= vis
+            if vis.dim() == 2:  # the causal mask of the tile, the same for every batch and head
+                row_vis = vis.any(dim=-1)                                # (n,)
+                rows = torch.full_like(self.rows, B * float(row_vis.sum()))
+                entries = torch.full_like(self.entries, B * float(vis.sum()))
+            else:
+                vis = vis.expand(s.shape)
+                row_vis = vis.any(dim=-1)                                # (B, H, n)
+                rows = row_vis.sum(dim=(0, 2), dtype=torch.float64)
+                entries = vis.sum(dim=(0, 2, 3), dtype=torch.float64)
+        else:
+            row_vis = None
+            rows = torch.full_like(self.rows, B * s.shape[2])
+            entries = torch.full_like(self.entries, B * s.shape[2] * s.shape[3])
+        tied = count_true(near.contiguous()).squeeze(-1) > 1             # (B, H, n)
+        n_one = count_true(one.contiguous()).squeeze(-1)
+        if row_vis is not None:
+            tied &= row_vis  # a row with nothing visible has no maximum to repeat
+        self.rows += rows
+        self.tied += tied.sum(dim=(0, 2), dtype=torch.float64)
+        self.entries += entries
+        self.one += n_one.sum(dim=(0, 2), dtype=torch.float64)
+        self.multi += (n_one >= 2).sum(dim=(0, 2), dtype=torch.float64)
+
+
+def _policy_delta(do_in, o, policy: PrecisionPolicy):
+    """rowsum(dO * O) in the policy's delta formats (as flash_backward's preprocess)."""
+    fmt = policy.delta_product
+    prod = cast(cast(do_in, fmt) * cast(o, fmt), fmt)
+    return rowsum(prod, policy.delta)
+
+
+def _policy_delta_dp_p(q, k, v, do_in, lse, policy: PrecisionPolicy, *, causal, scale, softcap):
+    """delta = rowsum(dP * P) in the policy's formats, over one key tile (the flash backward
+    sums per key tile; with a single tile the two agree, otherwise only the order of the
+    additions of the per-tile partial sums differs)."""
+    fmt = policy.scores
+    s = matmul(q, k.transpose(-2, -1), fmt)
+    s = cast(s * scale, fmt)
+    if softcap is not None:
+        s = cast(cast(torch.tanh(cast(s / softcap, fmt)), fmt) * softcap, fmt)
+    if causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    p = cast(torch.exp(cast(s - lse.to(s.dtype), policy.p)), policy.p)
+    dp = matmul(do_in, v.transpose(-2, -1), policy.dp)
+    prod = cast(cast(dp, policy.delta_product) * cast(p, policy.delta_product), policy.delta_product)
+    return rowsum(prod, policy.delta)
+
+
+def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = True) -> Shadow:
+    """Run the layer's attention on the captured batch in the training policy (with tie
+    counting) and in fp64; with ``grad`` (and a captured dO) also both backward passes.
+
+    The global RNG (used by stochastic rounding) is forked, so training is not disturbed."""
+    policy, stab = _resolve(cap, precision, stabilizer)
+    scale = cap.attn_scale
+    dev = cap.q.device
+    fork = torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else [])
+    with torch.no_grad(), torch.autocast(dev.type, enabled=False), fork:
+        if policy is None:
+            q_in, k_in, v_in, do_in = cap.q, cap.k, cap.v, cap.do
+        else:
+            q_in, k_in, v_in = (cast(t, policy.inputs) for t in (cap.q, cap.k, cap.v))
+            do_in = None if cap.do is None else cast(cap.do, policy.inputs)
+        ref = reference64(q_in, k_in, v_in, causal=cap.causal, scale=scale, softcap=cap.softcap)
+        sh = Shadow(layer=cap.layer, policy=policy, stabilizer=stab, ref=ref, q_in=q_in, k_in=k_in,
+                    v_in=v_in, do_in=do_in)
+        if policy is None:
+            return sh
+        tol = float(getattr(stab, "tol", DEFAULT_TIE_TOL))
+        counter = _TieCounter(cap.n_head, cap.causal, policy, tol, dev)
+        spec = cap.spec
+        block_q = getattr(spec, "block_q", None) or DEFAULT_BLOCK
+        block_k = getattr(spec, "block_k", None) or DEFAULT_BLOCK
+        keep_hp = policy.delta_source == "o_highp"
+        with rounding(policy.rounding):
+            o, lse, o_hp = flash_forward(q_in, k_in, v_in, keep=None, bias=None, causal=cap.causal, scale=scale,
+                                         policy=policy, stabilizer=stab, block_q=block_q, block_k=block_k,
+                                         keep_highp_o=keep_hp, softcap=cap.softcap, observe=counter)
+            sh.o_lp = o.to(torch.float64)
+            sh.rows, sh.tied_rows, sh.entries = counter.rows, counter.tied, counter.entries
+            sh.pbar_one, sh.multi_one_rows, sh.tie_tol = counter.one, counter.multi, tol
+            if do_in is not None:
+                if policy.delta_source == "o_lowp":
+                    d_lp = _policy_delta(do_in, o, policy)
+                elif policy.delta_source == "o_highp":
+                    d_lp = _policy_delta(do_in, o_hp, policy)
+                else:
+                    d_lp = _policy_delta_dp_p(q_in, k_in, v_in, do_in, lse, policy, causal=cap.causal,
+                                              scale=scale, softcap=cap.softcap)
+                do64 = do_in.to(torch.float64)
+                sh.delta_lp = d_lp.to(torch.float64)
+                sh.delta_hp = (do64 * ref.o).sum(dim=-1, keepdim=True)
+                if grad:
+                    dq, _, _ = flash_backward(q_in, k_in, v_in, o, lse, do_in, o_hp, keep=None, bias=None,
+                                              causal=cap.causal, scale=scale, policy=policy, block_q=block_q,
+                                              block_k=block_k, softcap=cap.softcap)
+                    # training hands dq on in the dtype q had (bf16 under autocast)
+                    sh.dq_lp = dq.to(cap.q.dtype).to(torch.float64)
+                    sh.dq_hp = reference64_dq(ref, k_in, v_in, do64, scale=scale)
+    return sh
+
+
+# --------------------------------------------------------------------------------------------
+# metrics from a shadow
+
+def attention_metrics(sh: Shadow) -> dict:
+    """Max |logit| and attention-sink indicators (fp64)."""
+    layer, ref = sh.layer, sh.ref
+    s = ref.s if ref.keep is None else ref.s.masked_fill(~ref.keep, 0.0)
+    max_logit = s.abs_().amax(dim=(0, 2, 3)) if ref.keep is not None else s.abs().amax(dim=(0, 2, 3))  # (H,)
+    p = ref.p[..., 1:, :] if ref.keep is not None else ref.p      # rows that have a choice
+    if p.shape[-2] == 0:
+        p = ref.p
+    sink = p[..., 0].mean(dim=(0, 2))                              # (H,)
+    top_is_first = (p.argmax(dim=-1) == 0).to(torch.float64).mean()
+    out = {}
+    for h in range(max_logit.shape[0]):
+        out[_k("attn", "max_logit", layer, h)] = float(max_logit[h])
+        out[_k("attn", "sink_mass", layer, h)] = float(sink[h])
+    out[_k("attn", "max_logit", layer)] = float(max_logit.max())
+    out[_k("attn", "sink_mass", layer)] = float(sink.mean())
+    out[_k("attn", "sink_top_frac", layer)] = float(top_is_first)
+    return out
+
+
+def _ratio(a, b):
+    return float(a / b) if float(b) > 0 else 0.0
+
+
+def numerics_metrics(sh: Shadow, *, state: ProbeState | None = None, details: dict | None = None) -> dict:
+    """Tie rate, Pbar == 1, O error bias and the delta error (empty without a policy)."""
+    if sh.policy is None:
+        return {}
+    layer = sh.layer
+    out = {}
+    for h in range(sh.rows.shape[0]):
+        out[_k("numerics", "tie_rate", layer, h)] = _ratio(sh.tied_rows[h], sh.rows[h])
+        out[_k("numerics", "pbar_one", layer, h)] = _ratio(sh.pbar_one[h], sh.entries[h])
+    out[_k("numerics", "tie_rate", layer)] = _ratio(sh.tied_rows.sum(), sh.rows.sum())
+    out[_k("numerics", "pbar_one", layer)] = _ratio(sh.pbar_one.sum(), sh.entries.sum())
+    out[_k("numerics", "pbar_one_multi", layer)] = _ratio(sh.multi_one_rows.sum(), sh.rows.sum())
+
+    err = sh.o_lp - sh.ref.o                                       # (B, H, T, D)
+    bias_f = err.mean(dim=(0, 2))                                  # (H, D) per feature
+    v_sign = torch.sign(sh.v_in.to(torch.float64).mean(dim=(0, 2)))
+    out[_k("numerics", "o_err_bias", layer)] = float(err.mean())
+    out[_k("numerics", "o_err_abs", layer)] = float(err.abs().mean())
+    out[_k("numerics", "o_err_bias_absmax", layer)] = float(bias_f.abs().max())
+    out[_k("numerics", "o_err_bias_vsign", layer)] = float((bias_f * v_sign).mean())
+    if details is not None:
+        details["o_err_bias_per_feature"] = bias_f.tolist()
+    if sh.delta_lp is not None:
+        d = sh.delta_lp - sh.delta_hp
+        mean = float(d.mean())
+        out[_k("numerics", "delta_err_mean", layer)] = mean
+        out[_k("numerics", "delta_err_abs", layer)] = float(d.abs().mean())
+        out[_k("numerics", "delta_err_rel", layer)] = _ratio(torch.tensor(mean), sh.delta_hp.abs().mean())
+        out[_k("numerics", "delta_err_pos_frac", layer)] = float((d > 0).to(torch.float64).mean())
+        cum = mean
+        if state is not None:
+            if math.isfinite(mean):
+                state.delta_sum[layer] = state.delta_sum.get(layer, 0.0) + mean
+                state.delta_count[layer] = state.delta_count.get(layer, 0) + 1
+            cum = state.delta_sum.get(layer, 0.0)
+        out[_k("numerics", "delta_err_cumsum", layer)] = cum
+    return out
+
+
+def map_dq_to_wq(dq: torch.Tensor, x: torch.Tensor, w_q: torch.Tensor, q_ln=None) -> torch.Tensor:
+    """The W_Q gradient (H, D, C) that a gradient ``dq`` (B, H, T, D) at the attention's query
+    input gives, for queries q_h = LN?(x @ w_q[h].T); in fp64. Leading dims before B are kept
+    (several gradients mapped at once)."""
+    dq = dq.to(torch.float64)
+    x64 = x.detach().to(torch.float64)
+    if q_ln is None:
+        return torch.einsum("...bhtd,btc->...hdc", dq, x64)
+    weight, bias, eps = q_ln
+    with torch.enable_grad():
+        w = w_q.detach().to(torch.float64).requires_grad_(True)
+        q_raw = torch.einsum("btc,hdc->bhtd", x64, w).expand(dq.shape)
+        qn = F.layer_norm(q_raw, (q_raw.shape[-1],),
+                          None if weight is None else weight.to(torch.float64),
+                          None if bias is None else bias.to(torch.float64), eps)
+        (g,) = torch.autograd.grad(qn, w, dq)
+    return g
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    na, nb = float(a.norm()), float(b.norm())
+    if na == 0 or nb == 0 or a.shape != b.shape:
+        return 0.0
+    return float((a * b).sum()) / (na * nb)
+
+
+def error_structure(err: torch.Tensor, w: torch.Tensor, *, prev: torch.Tensor | None = None,
+                    running: torch.Tensor | None = None, k: int = N_SINGULAR) -> dict:
+    """Structure of a weight-gradient error ``err`` against the weight ``w`` (both (H, D, C) or
+    (R, C)): unprefixed metric names (``sv1``.., ``rank1_frac``, ``norm``, ``cos_prev``,
+    ``cos_sum``, ``align_top``, ``top_push`` and per head ``norm/H<h>``, ...) plus
+    ``spectrum`` (all singular values, a list). A zero error gives zeros."""
+    e3 = err.to(torch.float64)
+    w3 = w.detach().to(torch.float64)
+    if e3.dim() == 2:
+        e3, w3 = e3.unsqueeze(0), w3.unsqueeze(0)
+    e = e3.reshape(-1, e3.shape[-1])
+    wm = w3.reshape(-1, w3.shape[-1])
+    out: dict = {}
+    if not bool(torch.isfinite(e).all()):
+        out["norm"] = float("nan")
+        return out
+    sv = torch.linalg.svdvals(e)
+    total = float((sv * sv).sum())
+    norm = math.sqrt(total)
+    for i in range(k):
+        out[f"sv{i + 1}"] = float(sv[i]) if i < sv.numel() else 0.0
+    out["spectrum"] = sv.tolist()
+    out["norm"] = norm
+    out["rank1_frac"] = float(sv[0] ** 2) / total if total > 0 else 0.0
+    if prev is not None:
+        out["cos_prev"] = _cos(e, prev.to(device=e.device, dtype=torch.float64))
+    if running is not None:
+        out["cos_sum"] = _cos(e, running.to(device=e.device, dtype=torch.float64))
+
+    def top_pair(m):
+        u, _, vh = torch.linalg.svd(m, full_matrices=False)
+        return u[:, 0], vh[0]
+
+    u1, v1 = top_pair(wm)
+    a = float(u1 @ e @ v1)
+    out["align_top"] = abs(a) / norm if norm > 0 else 0.0
+    out["top_push"] = -a / norm if norm > 0 else 0.0
+    for h in range(e3.shape[0]):
+        eh = e3[h]
+        nh = float(eh.norm())
+        uh, vh1 = top_pair(w3[h])
+        ah = float(uh @ eh @ vh1)
+        out[f"norm/H{h}"] = nh
+        out[f"align_top/H{h}"] = abs(ah) / nh if nh > 0 else 0.0
+        out[f"top_push/H{h}"] = -ah / nh if nh > 0 else 0.0
+    return out
+
+
+def gradient_error_metrics(sh: Shadow, cap: LayerCapture, *, state: ProbeState | None = None,
+                           details: dict | None = None) -> dict:
+    """Structure of dW_Q(policy attention) - dW_Q(fp64 attention) (empty without dq / x / w_q)."""
+    if sh.dq_lp is None or cap.x is None or cap.w_q is None:
+        return {}
+    layer = sh.layer
+    both = map_dq_to_wq(torch.stack((sh.dq_lp - sh.dq_hp, sh.dq_hp)), cap.x, cap.w_q, cap.q_ln)
+    err, full = both[0], both[1]                                               # (H, D, C) each
+    prev = running = None
+    if state is not None:
+        prev, running = state.grad_err_prev.get(layer), state.grad_err_sum.get(layer)
+    st = error_structure(err, cap.w_q, prev=prev, running=running)
+    out = {}
+    for name, value in st.items():
+        if name == "spectrum":
+            continue
+        head = None
+        if "/H" in name:
+            name, h = name.split("/H")
+            head = int(h)
+        out[_k("grad", f"wq_err_{name}", layer, head)] = value
+    fn = float(full.norm())
+    out[_k("grad", "wq_err_rel", layer)] = st["norm"] / fn if fn > 0 else 0.0
+    if details is not None and "spectrum" in st:
+        details["wq_err_spectrum"] = st["spectrum"]
+    if state is not None and bool(torch.isfinite(err).all()):
+        e2 = err.reshape(-1, err.shape[-1]).to(torch.float32).cpu()
+        state.grad_err_prev[layer] = e2
+        old = state.grad_err_sum.get(layer)
+        state.grad_err_sum[layer] = e2.clone() if old is None or old.shape != e2.shape else old + e2
+        state.grad_err_count[layer] = state.grad_err_count.get(layer, 0) + 1
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# all probes of a layer / of a model
+
+def probe_layer(cap: LayerCapture, *, state: ProbeState | None = None, precision=None, stabilizer=None,
+                grad: bool = True, details: dict | None = None) -> dict:
+    """attention_metrics + numerics_metrics + gradient_error_metrics of one captured layer."""
+    sh = shadow(cap, precision=precision, stabilizer=stabilizer, grad=grad)
+    out = attention_metrics(sh)
+    out.update(numerics_metrics(sh, state=state, details=details))
+    if grad:
+        out.update(gradient_error_metrics(sh, cap, state=state, details=details))
+    return out
+
+
+def run_probes(model, captures: dict[int, LayerCapture], *, state: ProbeState | None = None,
+               step: int | None = None, grad: bool = True, precision=None, stabilizer=None,
+               details: dict | None = None) -> dict:
+    """Every probe on ``model`` and the captured layers; updates ``state`` (if given).
+
+    ``details`` (optional dict) receives per-layer arrays that do not fit a metrics record:
+    ``details[layer]["o_err_bias_per_feature"]`` (H x D) and ``["wq_err_spectrum"]``."""
+    layers = sorted(captures)
+    out = weight_probe(model, layers, step=step, state=state)
+    for layer in layers:
+        d = None
+        if details is not None:
+            d = details.setdefault(layer, {})
+        out.update(probe_layer(captures[layer], state=state, precision=precision, stabilizer=stabilizer,
+                               grad=grad, details=d))
+    if state is not None and step is not None:
+        state.step = step
+    return out
