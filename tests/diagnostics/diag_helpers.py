@@ -1,37 +1,7 @@
 """Constructed attention problems with known answers (shared by the diagnostics tests)."""
 from __future__ import annotations
 
-import random
-from pathlib import Path
-
-import pytest
 import torch
-
-MICRO = Path(__file__).resolve().parents[2] / "configs" / "micro.toml"
-
-
-# A fixture here rather than in a conftest.py: a second tests/*/conftest.py module would shadow
-# tests/train/conftest.py for its `from conftest import ...` when both folders are collected.
-@pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory) -> Path:
-    """A small byte-level corpus prepared by the real `prepare text` path (as tests/train)."""
-    from flashguard.data import prepare_text
-    src = tmp_path_factory.mktemp("diag_corpus")
-    rng = random.Random(0)
-    words = ["attention", "flash", "bf16", "rounding", "bias", "gradient", "softmax", "tie", "max", "row"]
-    for i in range(40):
-        (src / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(400)) + "\n")
-    out = tmp_path_factory.mktemp("diag_data")
-    prepare_text([str(src)], out, tokenizer="byte", progress=False, overwrite=True)
-    return out
-
-
-def micro_overrides(data: Path, **extra) -> list[str]:
-    """Overrides of configs/micro.toml for a seconds-long run on the test corpus (as tests/train)."""
-    items = {"data.dir": f'"{data}"', "train.progress": "false", "train.steps": "6",
-             "train.checkpoint_every": "3", "train.eval_every": "3", "train.eval_batches": "1"}
-    items.update({k: str(v) for k, v in extra.items()})
-    return [f"{k}={v}" for k, v in items.items()]
 
 
 def tied_problem(seed=0, B=2, H=2, T=64, D=64, neg=0.9, top=3.0, dtype=torch.bfloat16):

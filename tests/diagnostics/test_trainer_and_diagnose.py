@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from diag_helpers import MICRO, micro_overrides, tiny_data  # noqa: F401  (tiny_data: a fixture)
+from run_helpers import MICRO, micro_overrides
 from flashguard.diagnostics import ProbeState
 from flashguard.diagnostics.command import add_diagnose_arguments, run_diagnose
 from flashguard.train import ConfigError, JsonlLog, config_to_toml, load_config, train

@@ -5,7 +5,7 @@ import pytest
 from flashguard.train import ConfigError, apply_overrides, config_to_toml, learning_rate, load_config
 from flashguard.train.config import OptimConfig, config_from_dict
 
-from conftest import ROOT
+from run_helpers import ROOT
 
 
 @pytest.mark.parametrize("name", ["tiny-cpu", "gpt2-124m-owt", "micro"])

@@ -15,7 +15,7 @@ import pytest
 from flashguard.cli import main
 from flashguard.train import EXIT_DIVERGED, JsonlLog, list_checkpoints, load_config, train
 
-from conftest import ROOT, micro_overrides
+from run_helpers import ROOT, micro_overrides
 
 MICRO = ROOT / "configs" / "micro.toml"
 

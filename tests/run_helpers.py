@@ -1,29 +1,28 @@
+"""Helpers shared by the tests that train: a tiny corpus and overrides for configs/micro.toml."""
 from __future__ import annotations
 
 import random
 from pathlib import Path
 
-import pytest
+ROOT = Path(__file__).resolve().parents[1]
+MICRO = ROOT / "configs" / "micro.toml"
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-@pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory) -> Path:
+def make_tiny_corpus(tmp_path_factory) -> Path:
     """A small byte-level corpus prepared by the real `prepare text` path."""
     from flashguard.data import prepare_text
     src = tmp_path_factory.mktemp("corpus")
     rng = random.Random(0)
     words = ["attention", "flash", "bf16", "rounding", "bias", "gradient", "softmax", "tie", "max", "row"]
     for i in range(40):
-        text = " ".join(rng.choice(words) for _ in range(400)) + "\n"
-        (src / f"doc{i:02d}.txt").write_text(text)
+        (src / f"doc{i:02d}.txt").write_text(" ".join(rng.choice(words) for _ in range(400)) + "\n")
     out = tmp_path_factory.mktemp("data")
     prepare_text([str(src)], out, tokenizer="byte", progress=False, overwrite=True)
     return out
 
 
 def micro_overrides(data: Path, **extra) -> list[str]:
+    """Overrides of configs/micro.toml for a seconds-long run on the test corpus."""
     items = {"data.dir": f'"{data}"', "train.progress": "false", "train.steps": "6",
              "train.checkpoint_every": "3", "train.eval_every": "3", "train.eval_batches": "1"}
     items.update({k: str(v) for k, v in extra.items()})
