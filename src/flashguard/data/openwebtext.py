@@ -211,12 +211,7 @@ def prepare_openwebtext(
         recipe=recipe,
         started=started,
     )
-    write_meta(out, meta)
-    log.info(
-        "wrote %s: %d train / %d val tokens (%s)",
-        out, meta["splits"]["train"]["tokens"], meta["splits"]["val"]["tokens"], meta["dtype"],
-    )
-    return meta
+    return write_meta(out, meta)
 
 
 def _write_split(writer, split: str, data: Any, num_shards: int, progress: bool) -> None:

@@ -108,12 +108,7 @@ def prepare_documents(
         recipe=full_recipe,
         started=started,
     )
-    write_meta(out, meta)
-    log.info(
-        "wrote %s: %d train / %d val tokens (%s)",
-        out, meta["splits"]["train"]["tokens"], meta["splits"]["val"]["tokens"], meta["dtype"],
-    )
-    return meta
+    return write_meta(out, meta)
 
 
 def prepare_embedded(

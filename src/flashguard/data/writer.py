@@ -166,8 +166,14 @@ def build_meta(
     }
 
 
-def write_meta(out_dir: Path, meta: dict) -> None:
+def write_meta(out_dir: Path, meta: dict) -> dict:
+    """Write meta.json last (it marks the dataset complete), log the token counts, return meta."""
     atomic_write_json(out_dir / META_FILE, meta)
+    logging.getLogger("flashguard.data").info(
+        "wrote %s: %d train / %d val tokens (%s)",
+        out_dir, meta["splits"]["train"]["tokens"], meta["splits"]["val"]["tokens"], meta["dtype"],
+    )
+    return meta
 
 
 def _sep(tokenizer) -> int | None:
