@@ -22,7 +22,7 @@ from ..numerics.formats import FP32, FP64
 from ..numerics.policy import PrecisionPolicy
 from .stabilizers import Stabilizer
 
-__all__ = ["flash_forward", "flash_backward", "tile_ranges"]
+__all__ = ["flash_forward", "flash_backward", "delta_preprocess", "tile_ranges"]
 
 
 def tile_ranges(n: int, block: int) -> list[tuple[int, int]]:
@@ -207,9 +207,41 @@ def _p_tile(qi, kj, lse_i, hide, bias, causal, q0, q1, k0, k1, scale, policy, so
     return p, dcap
 
 
-def _delta(do, o, policy):
-    prod = cast(cast(do, policy.delta_product) * cast(o, policy.delta_product), policy.delta_product)
-    return rowsum(prod, policy.delta)
+def _rowsum_product(a, b, policy):
+    """rowsum(a * b): the product rounded to ``delta_product``, the sum to ``delta``."""
+    fmt = policy.delta_product
+    return rowsum(cast(cast(a, fmt) * cast(b, fmt), fmt), policy.delta)
+
+
+def delta_preprocess(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, scale: float,
+                     policy: PrecisionPolicy, block_q: int, block_k: int, softcap: float | None = None,
+                     operand: "_Operands | None" = None):
+    """FA2's backward preprocess, delta (B, H, T_q, 1) in the delta format, from the source the
+    policy names: rowsum(dO * O) of the stored O ("o_lowp") or of the high-precision copy
+    ("o_highp"), or rowsum(dP * P) over the key tiles ("dp_p"; equal in exact arithmetic).
+    ``do`` must already be rounded to ``policy.inputs``. The diagnostics and the lab call this
+    to see the delta the backward pass uses."""
+    if policy.delta_source == "o_lowp":
+        return _rowsum_product(do, o, policy)
+    if policy.delta_source == "o_highp":
+        return _rowsum_product(do, o_highp, policy)
+    operand = operand or _Operands()
+    q_s, k_s = operand(q, policy.scores), operand(k, policy.scores)
+    do_dp, v_dp = operand(do, policy.dp), operand(v, policy.dp)
+    hide = None if keep is None else ~keep
+    parts = []
+    for q0, q1 in tile_ranges(q.shape[-2], block_q):
+        d = None
+        for k0, k1 in tile_ranges(k.shape[-2], block_k):
+            if causal and k0 > q1 - 1:
+                break  # hidden tiles contribute exactly zero
+            p, _ = _p_tile(q_s[..., q0:q1, :], k_s[..., k0:k1, :], lse[..., q0:q1, :], hide, bias,
+                           causal, q0, q1, k0, k1, scale, policy, softcap)
+            dp = matmul(do_dp[..., q0:q1, :], v_dp[..., k0:k1, :].transpose(-2, -1), policy.dp)
+            part = _rowsum_product(dp, p, policy)
+            d = part if d is None else cast(d + part, policy.delta)
+        parts.append(d)
+    return torch.cat(parts, dim=-2)
 
 
 def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, scale: float,
@@ -229,26 +261,9 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
     def hidden(q0, q1, k0, k1):
         return causal and k0 > q1 - 1  # contributes exactly zero: skipped
 
-    # --- preprocess: delta = rowsum(dO * O), (B, H, T_q, 1) in the delta format
-    if policy.delta_source == "o_lowp":
-        delta = _delta(do, o, policy)
-    elif policy.delta_source == "o_highp":
-        delta = _delta(do, o_highp, policy)
-    else:  # "dp_p": delta = rowsum(dP * P), equal to rowsum(dO * O) in exact arithmetic
-        parts = []
-        for q0, q1 in q_tiles:
-            d = None
-            for k0, k1 in k_tiles:
-                if hidden(q0, q1, k0, k1):
-                    break
-                p, _ = _p_tile(q_s[..., q0:q1, :], k_s[..., k0:k1, :], lse[..., q0:q1, :], hide, bias,
-                               causal, q0, q1, k0, k1, scale, policy, softcap)
-                dp = matmul(do_dp[..., q0:q1, :], v_dp[..., k0:k1, :].transpose(-2, -1), policy.dp)
-                prod = cast(cast(dp, policy.delta_product) * cast(p, policy.delta_product), policy.delta_product)
-                part = rowsum(prod, policy.delta)
-                d = part if d is None else cast(d + part, policy.delta)
-            parts.append(d)
-        delta = torch.cat(parts, dim=-2)
+    # --- preprocess: delta, (B, H, T_q, 1) in the delta format
+    delta = delta_preprocess(q, k, v, o, lse, do, o_highp, keep=keep, bias=bias, causal=causal, scale=scale,
+                             policy=policy, block_q=block_q, block_k=block_k, softcap=softcap, operand=operand)
 
     # Accumulators start at +0 and are always added to, as the reference code's are (this also
     # keeps the sign of zero: +0 + -0 = +0).

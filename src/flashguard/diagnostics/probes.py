@@ -64,8 +64,9 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import DEFAULT_BLOCK, flash_backward, flash_forward, get_stabilizer
+from ..attention.flash import delta_preprocess
 from ..attention.stabilizers import count_true
-from ..numerics.arith import cast, matmul, rounding, rowsum
+from ..numerics.arith import cast, rounding
 from ..numerics.policy import PrecisionPolicy, get_policy
 from .capture import LayerCapture, resolve_layers
 from .state import ProbeState
@@ -238,31 +239,6 @@ class _TieCounter:
         self.multi += (n_one >= 2).sum(dim=(0, 2), dtype=torch.float64)
 
 
-def _policy_delta(do_in, o, policy: PrecisionPolicy):
-    """rowsum(dO * O) in the policy's delta formats (as flash_backward's preprocess)."""
-    fmt = policy.delta_product
-    prod = cast(cast(do_in, fmt) * cast(o, fmt), fmt)
-    return rowsum(prod, policy.delta)
-
-
-def _policy_delta_dp_p(q, k, v, do_in, lse, policy: PrecisionPolicy, *, causal, scale, softcap):
-    """delta = rowsum(dP * P) in the policy's formats, over one key tile (the flash backward
-    sums per key tile; with a single tile the two agree, otherwise only the order of the
-    additions of the per-tile partial sums differs)."""
-    fmt = policy.scores
-    s = matmul(q, k.transpose(-2, -1), fmt)
-    s = cast(s * scale, fmt)
-    if softcap is not None:
-        s = cast(cast(torch.tanh(cast(s / softcap, fmt)), fmt) * softcap, fmt)
-    if causal:
-        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
-    p = cast(torch.exp(cast(s - lse.to(s.dtype), policy.p)), policy.p)
-    dp = matmul(do_in, v.transpose(-2, -1), policy.dp)
-    prod = cast(cast(dp, policy.delta_product) * cast(p, policy.delta_product), policy.delta_product)
-    return rowsum(prod, policy.delta)
-
-
 def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = True) -> Shadow:
     """Run the layer's attention on the captured batch in the training policy (with tie
     counting) and in fp64; with ``grad`` (and a captured dO) also both backward passes.
@@ -297,13 +273,9 @@ def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = T
             sh.rows, sh.tied_rows, sh.entries = counter.rows, counter.tied, counter.entries
             sh.pbar_one, sh.multi_one_rows, sh.tie_tol = counter.one, counter.multi, tol
             if do_in is not None:
-                if policy.delta_source == "o_lowp":
-                    d_lp = _policy_delta(do_in, o, policy)
-                elif policy.delta_source == "o_highp":
-                    d_lp = _policy_delta(do_in, o_hp, policy)
-                else:
-                    d_lp = _policy_delta_dp_p(q_in, k_in, v_in, do_in, lse, policy, causal=cap.causal,
-                                              scale=scale, softcap=cap.softcap)
+                d_lp = delta_preprocess(q_in, k_in, v_in, o, lse, do_in, o_hp, keep=None, bias=None,
+                                        causal=cap.causal, scale=scale, policy=policy, block_q=block_q,
+                                        block_k=block_k, softcap=cap.softcap)
                 do64 = do_in.to(torch.float64)
                 sh.delta_lp = d_lp.to(torch.float64)
                 sh.delta_hp = (do64 * ref.o).sum(dim=-1, keepdim=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ...attention import flash_forward, get_stabilizer, reference_attention
-from ...attention.flash import _delta as policy_delta
+from ...attention.flash import delta_preprocess
 from ...numerics import get_policy
 from ...numerics.arith import cast, rounding, rowsum
 from .problems import Problem, make_problem
@@ -56,11 +56,11 @@ def measure(problem: Problem, precision="paper", stabilizer="none", block_k: int
 
     torch.manual_seed(problem.seed)  # stochastic rounding, if the policy asks for it
     with torch.no_grad(), rounding(policy.rounding):
-        o, _, o_hp = flash_forward(qc, kc, vc, keep=None, bias=None, causal=False, scale=1 / math.sqrt(problem.d),
+        o, lse, o_hp = flash_forward(qc, kc, vc, keep=None, bias=None, causal=False, scale=1 / math.sqrt(problem.d),
                                    policy=policy, stabilizer=stab, block_q=512, block_k=block_k,
                                    keep_highp_o=policy.delta_source == "o_highp", observe=observe)
-        o_used = o_hp if policy.delta_source == "o_highp" else o
-        delta_lp = policy_delta(doc, o_used, policy)
+        delta_lp = delta_preprocess(qc, kc, vc, o, lse, doc, o_hp, keep=None, bias=None, causal=False,
+                                    scale=1 / math.sqrt(problem.d), policy=policy, block_q=512, block_k=block_k)
     exact = reference_attention(qc.double(), kc.double(), vc.double())
     delta_hp = (doc.double() * exact).sum(-1, keepdim=True)
     rows = counts[1] / max(problem.t, 1)
