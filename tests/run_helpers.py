@@ -27,3 +27,17 @@ def micro_overrides(data: Path, **extra) -> list[str]:
              "train.checkpoint_every": "3", "train.eval_every": "3", "train.eval_batches": "1"}
     items.update({k: str(v) for k, v in extra.items()})
     return [f"{k}={v}" for k, v in items.items()]
+
+
+def crash_at(monkeypatch, step: int) -> None:
+    """Make the training loop raise KeyboardInterrupt when it reaches ``step`` (a simulated
+    crash after the checkpoints before it); undo with ``monkeypatch.undo()``."""
+    import flashguard.train.loop as loop
+    real = loop.learning_rate
+
+    def crashing(s, *a):
+        if s == step:
+            raise KeyboardInterrupt("simulated crash")
+        return real(s, *a)
+
+    monkeypatch.setattr(loop, "learning_rate", crashing)

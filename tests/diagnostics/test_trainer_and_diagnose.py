@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from run_helpers import MICRO, micro_overrides
+from run_helpers import MICRO, crash_at, micro_overrides
 from flashguard.diagnostics import ProbeState
 from flashguard.diagnostics.command import add_diagnose_arguments, run_diagnose
 from flashguard.train import ConfigError, JsonlLog, config_to_toml, load_config, train
@@ -108,18 +108,10 @@ def test_resumed_run_continues_the_probes_exactly(tiny_data, tmp_path, monkeypat
     crashed = tmp_path / "crashed"
     cfg = load_config(MICRO, micro_overrides(tiny_data, **{"train.diagnostics_every": 3,
                                                           "train.diagnostics_layers": "[1]"}))
-    import flashguard.train.loop as loop
-    real = loop.learning_rate
-
-    def crash_at_5(step, *a):
-        if step == 5:
-            raise KeyboardInterrupt("simulated crash")
-        return real(step, *a)
-
-    monkeypatch.setattr(loop, "learning_rate", crash_at_5)
+    crash_at(monkeypatch, 5)
     with pytest.raises(KeyboardInterrupt):
         train(cfg, crashed)
-    monkeypatch.setattr(loop, "learning_rate", real)
+    monkeypatch.undo()
     train(cfg, crashed, resume=True)   # from the checkpoint at 3: redoes the probe at step 3
     a = [_strip_time(r) for r in JsonlLog.read(crashed / "metrics.jsonl")]
     b = [_strip_time(r) for r in JsonlLog.read(probed / "metrics.jsonl")]

@@ -15,7 +15,7 @@ import pytest
 from flashguard.cli import main
 from flashguard.train import EXIT_DIVERGED, JsonlLog, list_checkpoints, load_config, train
 
-from run_helpers import ROOT, micro_overrides
+from run_helpers import ROOT, crash_at, micro_overrides
 
 MICRO = ROOT / "configs" / "micro.toml"
 
@@ -44,18 +44,10 @@ def test_resume_equals_uninterrupted_bit_for_bit(tiny_data, tmp_path, monkeypatc
     full = tmp_path / "full"
     train(load_config(MICRO, micro_overrides(tiny_data)), full)
     crashed = tmp_path / "crashed"
-    import flashguard.train.loop as loop
-    real = loop.learning_rate
-
-    def crash_at_4(step, *a):
-        if step == 4:
-            raise KeyboardInterrupt("simulated crash")
-        return real(step, *a)
-
-    monkeypatch.setattr(loop, "learning_rate", crash_at_4)
+    crash_at(monkeypatch, 4)
     with pytest.raises(KeyboardInterrupt):
         train(load_config(MICRO, micro_overrides(tiny_data)), crashed)
-    monkeypatch.setattr(loop, "learning_rate", real)
+    monkeypatch.undo()
     assert max(_losses(crashed)) == 3  # step 3 ran after the checkpoint at 3 and will be redone
     train(load_config(MICRO, micro_overrides(tiny_data)), crashed, resume=True)
     assert _losses(crashed) == _losses(full)  # exact equality of floats
