@@ -20,7 +20,10 @@ sys.path.insert(0, str(ROOT / "tools"))
 from search_summary import summarize  # noqa: E402
 
 # name -> fields changed in the `paper` preset (the study's reference arithmetic)
+FWD = ("scores", "stats", "pbar", "pv", "o_accum", "output")  # every forward intermediate
 CANDIDATES = {
+    "fwd-e8m5": ",".join(f"{f}=e8m5" for f in FWD),
+    "fwd-e8m6": ",".join(f"{f}=e8m6" for f in FWD),
     "opath-e8m4": "pv=e8m4,o_accum=e8m4,output=e8m4",
     "opath-e8m3": "pv=e8m3,o_accum=e8m3,output=e8m3",
     "lpath-e8m4": "stats=e8m4",

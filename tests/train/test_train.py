@@ -135,3 +135,16 @@ def test_two_processes_match_one(tiny_data, tmp_path):
     assert sorted(a) == sorted(b) == list(range(5))
     for s in a:
         assert abs(a[s] - b[s]) <= 1e-5, (s, a[s], b[s])
+
+
+def test_divergence_factor_stops_at_the_first_doubling(tiny_data, tmp_path):
+    from flashguard.train.divergence import LossWatch
+    run = tmp_path / "run"
+    cfg = load_config(MICRO, micro_overrides(tiny_data, **{"train.divergence_factor": 1.2, "optim.lr": 0.5,
+                                                           "train.steps": 30, "optim.warmup_steps": 0}))
+    result = train(cfg, run)
+    recs = JsonlLog.read(run / "metrics.jsonl")
+    watch = LossWatch(1.2)
+    first = next(r["step"] for r in recs if watch.update(r["step"], r["loss/train"], r["grad/norm"]))
+    assert result.diverged and recs[-1]["step"] == first and recs[-1]["event/diverged"] == 1
+    assert (run / "divergence.json").exists()

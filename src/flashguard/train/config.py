@@ -88,6 +88,7 @@ class TrainConfig:
     eval_batches: int = 10
     log_every: int = 1
     divergence_loss: float | None = None  # stop when loss exceeds this (non-finite always stops)
+    divergence_factor: float | None = None  # stop when loss >= this x its running minimum after warm-up
     on_divergence: str = "stop"       # stop | continue
     tensorboard: bool = False
     progress: bool = True
@@ -186,6 +187,8 @@ def _validate(cfg: RunConfig) -> None:
     need(t.keep_last >= 1, "train.keep_last", "must be >= 1")
     need(t.eval_batches >= 1, "train.eval_batches", "must be >= 1")
     need(t.log_every >= 1, "train.log_every", "must be >= 1")
+    need(t.divergence_factor is None or t.divergence_factor > 1, "train.divergence_factor",
+         f"must be > 1 (or unset), got {t.divergence_factor!r}")
     # --- diagnostics ---
     need(t.diagnostics_every >= 0, "train.diagnostics_every", "must be >= 0 (0: off)")
     need(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in t.diagnostics_layers),

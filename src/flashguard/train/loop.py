@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ..utils.atomic import atomic_write_text
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import ConfigError, RunConfig, config_to_dict, load_config, save_config
+from .divergence import LossWatch
 from .schedule import learning_rate
 
 __all__ = ["train", "TrainResult", "EXIT_OK", "EXIT_CONFIG", "EXIT_DIVERGED", "JsonlLog", "build_model"]
@@ -230,6 +231,9 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
     # --- end diagnostics ---
 
     last_loss, diverged, step = float("nan"), False, start
+    watch = LossWatch(t.divergence_factor, after=o.warmup_steps)
+    if resume:
+        watch.best = state.get("loss_min", watch.best)
     try:
         for step in range(start, t.steps):
             if diag is not None:  # (diagnostics) capture hooks when the probes are due
@@ -260,7 +264,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
             record = {"step": step, "loss/train": train_loss, "optim/lr": lr, "grad/norm": grad_norm}
             if diag is not None:  # (diagnostics) probes + monitor into the record, before optimizer.step()
                 diag.end(step, record, grad_scale=t.grad_accum)
-            bad = not math.isfinite(train_loss) or not math.isfinite(grad_norm) or (
+            bad = watch.update(step, train_loss, grad_norm) is not None or (
                 t.divergence_loss is not None and train_loss > t.divergence_loss)
             if bad:
                 diverged = True
@@ -300,7 +304,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
                 if main:
                     state = {"step": done, "model": raw_model.state_dict(), "optim": optimizer.state_dict(),
                              "data_rng": sampler.get_state(), "torch_rng": torch.get_rng_state(),
-                             "best_val": best_val, "config": config_to_dict(cfg), "world_size": world}
+                             "best_val": best_val, "loss_min": watch.best, "config": config_to_dict(cfg), "world_size": world}
                     save_checkpoint(run_dir, done, state, t.keep_last, best=is_best)
                 if world > 1:
                     dist.barrier()
