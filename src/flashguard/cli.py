@@ -62,12 +62,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_lab(sub)
     from .diagnostics.command import add_diagnose_arguments, run_diagnose
     add_diagnose_arguments(sub.add_parser("diagnose", help="run the mechanism probes on a run's checkpoint and batch"))
+    from .experiments.repro.command import add_repro_arguments, run_repro_command
+    add_repro_arguments(sub.add_parser("repro", help="the study's claims as matched training runs, with verdicts"))
     # key=value overrides may stand anywhere after `train CONFIG` (argparse cannot interleave
     # them with --out), so they are collected from the arguments argparse does not know
     args, extra = parser.parse_known_args(argv)
     args.overrides = [e for e in extra if "=" in e and not e.startswith("-")]
     unknown = [e for e in extra if e not in args.overrides]
-    if unknown or (args.overrides and args.command != "train"):
+    if unknown or (args.overrides and args.command not in ("train", "repro")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or args.overrides)}")
     try:
         if args.command == "showcase":
@@ -82,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             return _lab(args)
         if args.command == "diagnose":
             return run_diagnose(args)
+        if args.command == "repro":
+            return run_repro_command(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:  # ConfigError is a ValueError
         print(f"flashguard {args.command}: error: {e}", file=sys.stderr)
         return 2

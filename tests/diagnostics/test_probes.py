@@ -255,6 +255,10 @@ def test_query_layernorm_is_followed_by_the_mapping():
     (expected,) = torch.autograd.grad(qn, wq, dq.double())
     got = map_dq_to_wq(dq, x, w, (ln.weight.detach(), None, ln.eps))
     torch.testing.assert_close(got, expected)
+    # stacked gradients are mapped one by one (the probes map dq error and dq together)
+    both = map_dq_to_wq(torch.stack((dq, 2 * dq)), x, w, (ln.weight.detach(), None, ln.eps))
+    assert both.shape == (2, H, D, C)
+    torch.testing.assert_close(both[1], 2 * expected)
 
 
 # ---------------------------------------------------------------------------- plumbing

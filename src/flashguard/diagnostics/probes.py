@@ -363,10 +363,14 @@ def map_dq_to_wq(dq: torch.Tensor, x: torch.Tensor, w_q: torch.Tensor, q_ln=None
     x64 = x.detach().to(torch.float64)
     if q_ln is None:
         return torch.einsum("...bhtd,btc->...hdc", dq, x64)
+    if dq.dim() > 4:  # one backward through the LayerNorm per leading index: autograd would sum them
+        lead = dq.shape[:-4]
+        flat = dq.reshape(-1, *dq.shape[-4:])
+        return torch.stack([map_dq_to_wq(g, x, w_q, q_ln) for g in flat]).reshape(*lead, *w_q.shape)
     weight, bias, eps = q_ln
     with torch.enable_grad():
         w = w_q.detach().to(torch.float64).requires_grad_(True)
-        q_raw = torch.einsum("btc,hdc->bhtd", x64, w).expand(dq.shape)
+        q_raw = torch.einsum("btc,hdc->bhtd", x64, w)
         qn = F.layer_norm(q_raw, (q_raw.shape[-1],),
                           None if weight is None else weight.to(torch.float64),
                           None if bias is None else bias.to(torch.float64), eps)

@@ -1,0 +1,112 @@
+"""What `flashguard repro` runs: a preset (the training set-up) and its matched runs.
+
+Every run of a preset starts from the same config, seed and batch order (the trainer draws
+batches from a generator seeded by train.seed), and differs from the `paper` run in one
+option only. ``precision`` is the arithmetic the flash runs use: the study's reference
+arithmetic (`paper`), or a coarser variant of it where the CPU-scale reproduction needs one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...numerics.policy import get_policy
+
+__all__ = ["RunSpec", "ReproPreset", "PRESETS", "get_preset", "run_specs", "config_path", "CLAIM_RUNS"]
+
+CONFIG_DIR = Path(__file__).resolve().parents[4] / "configs"  # the repository's configs/
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    name: str
+    group: str                 # main | ablation | remedy
+    title: str
+    overrides: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ReproPreset:
+    name: str
+    config: str                # a TOML under configs/
+    precision: str             # arithmetic of the flash runs (a policy string)
+    steps: int | None = None   # None: the config's train.steps
+    focus_layer: int = 1       # the study's "layer 2"
+    diagnostics_every: int = 50
+    overrides: tuple[str, ...] = field(default_factory=tuple)  # shared by every run
+    about: str = ""
+
+
+PRESETS: dict[str, ReproPreset] = {p.name: p for p in (
+    ReproPreset("tiny-cpu", "tiny-cpu.toml", precision="paper", steps=1500, diagnostics_every=50,
+                overrides=("optim.schedule=constant",),
+                about="4 layers x 256 wide, byte-level embedded corpus, T=256; the CPU-scale set-up "
+                      "(docs/cpu-reproduction.md)"),
+    ReproPreset("gpt2-124m-owt", "gpt2-124m-owt.toml", precision="paper", diagnostics_every=1000,
+                about="the study's configuration: GPT-2 small on OpenWebText (for GPUs)"),
+    ReproPreset("micro", "micro.toml", precision="paper", steps=40, diagnostics_every=10,
+                overrides=("train.eval_every=0",), about="seconds-long smoke test"),
+)}
+
+
+def get_preset(name: str) -> ReproPreset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown repro preset {name!r}; known: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def config_path(preset: ReproPreset) -> Path:
+    path = CONFIG_DIR / preset.config
+    if not path.is_file():
+        raise FileNotFoundError(f"repro preset {preset.name!r} needs {path} (run from a source checkout)")
+    return path
+
+
+def _with(precision: str, **fields) -> str:
+    """The policy string of ``precision`` with some fields replaced."""
+    return get_policy(precision).replace(**fields).short_str()
+
+
+def run_specs(precision: str, focus: int, block_size: int, *, remedies: bool = False) -> list[RunSpec]:
+    p, L = precision, focus
+    runs = [
+        RunSpec("fp32", "main", "fp32 attention (flash algorithm, fp32 arithmetic)", ("attention.precision=fp32",)),
+        RunSpec("paper", "main", f"flash, {p}, no fix", (f"attention.precision={p}",)),
+        RunSpec("paper-fix", "main", f"flash, {p}, the study's fix (beta = 2)",
+                (f"attention.precision={p}", "attention.stabilizer=paper")),
+        RunSpec("safe", "main", f"flash, {p}, flashguard's safe stabilizer",
+                (f"attention.precision={p}", "attention.stabilizer=safe")),
+        RunSpec("no-tiling", "ablation", f"flash, {p}, one tile per row (block = T = {block_size})",
+                (f"attention.precision={p}", f"attention.block_q={block_size}", f"attention.block_k={block_size}")),
+        RunSpec(f"fp32-layer{L}", "ablation", f"flash, {p}, but fp32 in layer {L} only",
+                (f"attention.precision={p}", f"attention.layers.{L}.precision=fp32")),
+        RunSpec(f"flash-layer{L}", "ablation", f"fp32 attention, but flash {p} in layer {L} only",
+                ("attention.precision=fp32", f"attention.layers.{L}.precision={p}")),
+        RunSpec("delta-o-highp", "ablation", "flash, delta = rowsum(dO * O) from a high-precision O",
+                (f"attention.precision={_with(p, delta_source='o_highp')}",)),
+        RunSpec("delta-dp-p", "ablation", "flash, delta = rowsum(dP * P)",
+                (f"attention.precision={_with(p, delta_source='dp_p')}",)),
+        RunSpec("pv-fp32", "ablation", "flash, the Pbar V product in fp32",
+                (f"attention.precision={_with(p, pv='fp32')}",)),
+    ]
+    if remedies:
+        runs += [
+            RunSpec("qk-layernorm", "remedy", "QK-LayerNorm", (f"attention.precision={p}", "model.qk_layernorm=true")),
+            RunSpec("z-loss", "remedy", "z-loss 1e-4 on the output logits",
+                    (f"attention.precision={p}", "model.z_loss=1e-4")),
+            RunSpec("softcap", "remedy", "attention logit soft-capping at 30",
+                    (f"attention.precision={p}", "model.attn_softcap=30.0")),
+        ]
+    return runs
+
+
+# the runs each claim reads (the main runs are always run)
+CLAIM_RUNS = {
+    "C1": ("fp32", "paper"),
+    "C2": ("paper", "no-tiling"),
+    "C3": ("paper", "fp32-layer{L}", "flash-layer{L}"),
+    "C4": ("paper", "delta-o-highp", "delta-dp-p", "pv-fp32"),
+    "C5": ("paper",),
+    "C6": ("paper",),
+    "C8": ("paper", "paper-fix", "safe"),
+}

@@ -1,0 +1,139 @@
+"""`flashguard repro`: train a preset's matched runs one after another, then judge the claims.
+
+    OUT/repro.json     preset, versions, every run's overrides and summary, the claims
+    OUT/claims.md      the claims table (and the runs and remedies tables)
+    OUT/runs/NAME/     each training run (config.toml, metrics.jsonl, batches.jsonl, checkpoints/)
+
+Resumable: a finished run is skipped, an interrupted one resumes from its last checkpoint
+(rerun the same command). A run that stopped before its first checkpoint is moved aside to
+NAME.incomplete-K and started again, so nothing written is lost.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from ...model import model_config
+from ...train import load_config, train
+from ...train.checkpoint import latest_checkpoint
+from ...utils.atomic import atomic_write_text
+from .claims import CLAIMS, judge_claims
+from .presets import CLAIM_RUNS, ReproPreset, config_path, run_specs
+from .summary import DIVERGENCE_FACTOR, summarize_run
+
+__all__ = ["run_repro", "claims_markdown"]
+
+
+def _versions() -> dict:
+    from ... import __version__
+    return {"flashguard": __version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def _needed(claims, focus: int) -> set[str]:
+    names = {"fp32", "paper", "paper-fix", "safe"}
+    for c in claims:
+        names |= {n.format(L=focus) for n in CLAIM_RUNS[c]}
+    return names
+
+
+def _train_one(spec, base: Path, common: list[str], steps: int, run_dir: Path, log) -> None:
+    cfg = load_config(base, [*common, *spec.overrides, f"train.steps={steps}"])
+    status = summarize_run(run_dir, steps)["status"]
+    if status in ("done", "diverged"):
+        log(f"  {spec.name}: already {status}, skipped")
+        return
+    resume = latest_checkpoint(run_dir) is not None
+    if run_dir.exists() and not resume:
+        k = 1
+        while run_dir.with_name(f"{run_dir.name}.incomplete-{k}").exists():
+            k += 1
+        run_dir.rename(run_dir.with_name(f"{run_dir.name}.incomplete-{k}"))
+    train(cfg, run_dir, resume=resume, log_fn=log)
+
+
+def run_repro(preset: ReproPreset, out: str | Path, *, claims=None, remedies: bool = False, steps: int | None = None,
+              overrides: list[str] | tuple = (), progress: bool = True, log=print) -> dict:
+    claims = list(claims or CLAIMS)
+    unknown = [c for c in claims if c not in CLAIMS]
+    if unknown:
+        raise ValueError(f"--claims: unknown claim(s) {', '.join(unknown)}; known: {', '.join(CLAIMS)}")
+    out = Path(out)
+    base = config_path(preset)
+    focus = preset.focus_layer
+    common = [*preset.overrides, f"train.diagnostics_every={preset.diagnostics_every}",
+              f"train.diagnostics_layers=[{focus}]", f"train.divergence_factor={DIVERGENCE_FACTOR}",
+              f"train.progress={'true' if progress else 'false'}", *overrides]
+    cfg0 = load_config(base, [*common, f"attention.precision={preset.precision}"])  # validates the overrides first
+    steps = steps or preset.steps or cfg0.train.steps
+    block = cfg0.model.block_size or model_config(cfg0.model.preset).block_size
+    n_layer = cfg0.model.n_layer or model_config(cfg0.model.preset).n_layer
+    if focus >= n_layer:
+        raise ValueError(f"repro preset {preset.name!r}: focus layer {focus} does not exist ({n_layer} layers)")
+    needed = _needed(claims, focus) | ({"qk-layernorm", "z-loss", "softcap"} if remedies else set())
+    specs = [s for s in run_specs(preset.precision, focus, block, remedies=remedies) if s.name in needed]
+
+    t0 = time.perf_counter()
+    for i, spec in enumerate(specs, 1):
+        log(f"[{i}/{len(specs)}] {spec.name}: {spec.title}")
+        _train_one(spec, base, common, steps, out / "runs" / spec.name, log)
+        _write(out, preset, specs, claims, steps, focus, common, remedies)  # partial results survive an interrupt
+    result = _write(out, preset, specs, claims, steps, focus, common, remedies)
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def _write(out: Path, preset, specs, claims, steps, focus, common, remedies) -> dict:
+    dirs = {s.name: out / "runs" / s.name for s in specs}
+    summaries = {s.name: summarize_run(dirs[s.name], steps) for s in specs}
+    runs = [{"name": s.name, "group": s.group, "title": s.title, "dir": f"runs/{s.name}",
+             "overrides": [*common, *s.overrides], "summary": summaries[s.name]} for s in specs]
+    verdicts = judge_claims(summaries, {n: d for n, d in dirs.items() if summaries[n]["status"] != "missing"}, focus, claims)
+    result = {"preset": preset.name, "about": preset.about, "config": preset.config, "steps": steps,
+              "seed": load_config(config_path(preset), list(common)).train.seed,
+              "base_precision": preset.precision, "focus_layer": focus,
+              "divergence_rule": f"loss >= {DIVERGENCE_FACTOR:g} x its running minimum after warm-up, or non-finite",
+              "versions": _versions(), "runs": runs, "claims": verdicts,
+              "remedies": _remedies(runs) if remedies else [], "lab": "lab" if (out / "lab" / "lab.json").exists() else None}
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "repro.json", json.dumps(result, indent=1, default=float) + "\n")
+    atomic_write_text(out / "claims.md", claims_markdown(result))
+    return result
+
+
+REMEDY_ROWS = ("paper", "qk-layernorm", "z-loss", "softcap", "fp32", "paper-fix", "safe")
+
+
+def _remedies(runs) -> list[dict]:
+    by = {r["name"]: r for r in runs}
+    return [{"name": n, "title": by[n]["title"], "diverged_at": by[n]["summary"]["diverged_at"],
+             "final_loss": by[n]["summary"]["final_loss"], "min_loss": by[n]["summary"]["min_loss"],
+             "status": by[n]["summary"]["status"]} for n in REMEDY_ROWS if n in by]
+
+
+def _f(x, fmt=".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def claims_markdown(result: dict) -> str:
+    lines = [f"# flashguard repro: {result['preset']}", "",
+             f"{result['about']}. Flash runs in `{result['base_precision']}`; {result['steps']} steps, seed "
+             f"{result['seed']}, focus layer {result['focus_layer']}. Divergence: {result['divergence_rule']}.", "",
+             "| claim | verdict | evidence |", "|---|---|---|"]
+    lines += [f"| {c['id']}: {c['title']} | **{c['verdict']}** | {c['evidence']} |" for c in result["claims"]]
+    lines += ["", "| run | group | what differs | steps | final loss | min loss | diverged at | status |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        s = r["summary"]
+        lines.append(f"| {r['name']} | {r['group']} | {r['title']} | {s['steps']} | {_f(s['final_loss'])} | "
+                     f"{_f(s['min_loss'])} | {_f(s['diverged_at'], 'd')} | {s['status']} |")
+    if result.get("remedies"):
+        lines += ["", "| remedy | diverged at | final loss | min loss |", "|---|---|---|---|"]
+        lines += [f"| {m['title']} | {_f(m['diverged_at'], 'd')} | {_f(m['final_loss'])} | {_f(m['min_loss'])} |"
+                  for m in result["remedies"]]
+    v = result["versions"]
+    lines += ["", f"flashguard {v['flashguard']}, torch {v['torch']}, Python {v['python']}."]
+    return "\n".join(lines) + "\n"
