@@ -17,25 +17,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
-from search_summary import summarize  # noqa: E402
+sys.path.insert(0, str(ROOT / "src"))
+from search_summary import HEADER, row, summarize  # noqa: E402
 
 # name -> fields changed in the `paper` preset (the study's reference arithmetic)
 FWD = ("scores", "stats", "pbar", "pv", "o_accum", "output")  # every forward intermediate
 CANDIDATES = {
-    "fwd-e8m5": ",".join(f"{f}=e8m5" for f in FWD),
-    "fwd-e8m6": ",".join(f"{f}=e8m6" for f in FWD),
+    **{f"fwd-e8m{m}": ",".join(f"{f}=e8m{m}" for f in FWD) for m in (2, 3, 4, 5, 6)},
     "opath-e8m4": "pv=e8m4,o_accum=e8m4,output=e8m4",
     "opath-e8m3": "pv=e8m3,o_accum=e8m3,output=e8m3",
     "lpath-e8m4": "stats=e8m4",
     "olpath-e8m4": "stats=e8m4,pv=e8m4,o_accum=e8m4,output=e8m4",
     "opath-e8m2": "pv=e8m2,o_accum=e8m2,output=e8m2",
 }
-COMMON = ["optim.schedule=constant", "train.checkpoint_every=250", "train.eval_every=100", "train.progress=false"]
+COMMON = ["optim.schedule=constant", "train.checkpoint_every=250", "train.eval_every=100", "train.progress=false",
+          "train.divergence_factor=2.0"]
+ARGS = argparse.Namespace(tag="", config="tiny-cpu.toml", set=[])
 TABLE_START, TABLE_END = "<!-- search-table -->", "<!-- /search-table -->"
 
 
 def run_dir(name: str, mode: str) -> Path:
-    return ROOT / "runs" / "search" / f"{name}-{mode}"
+    return ROOT / "runs" / "search" / f"{ARGS.tag}{name}-{mode}"
 
 
 def finished(run: Path, steps: int) -> bool:
@@ -46,8 +48,8 @@ def run(name: str, mode: str, steps: int) -> Path:
     out = run_dir(name, mode)
     if finished(out, steps):
         return out
-    cmd = [sys.executable, "-m", "flashguard.cli", "train", str(ROOT / "configs" / "tiny-cpu.toml"), "--out", str(out),
-           f"attention.precision=paper[{CANDIDATES[name]},rounding={mode}]", f"train.steps={steps}", *COMMON]
+    cmd = [sys.executable, "-m", "flashguard.cli", "train", str(ROOT / "configs" / ARGS.config), "--out", str(out),
+           f"attention.precision=paper[{CANDIDATES[name]},rounding={mode}]", f"train.steps={steps}", *COMMON, *ARGS.set]
     if (out / "checkpoints").is_dir():
         cmd.append("--resume")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -57,15 +59,10 @@ def run(name: str, mode: str, steps: int) -> Path:
 
 
 def write_table(doc: Path) -> None:
-    rows = ["| run | attention precision | steps | final loss | min loss | max loss/min | max grad norm | diverged |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = list(HEADER)
     for run_path in sorted((ROOT / "runs" / "search").glob("*")):
-        if not (run_path / "metrics.jsonl").exists():
-            continue
-        s = summarize(run_path)
-        div = f"yes, step {s['diverged_at']}" if s["diverged_at"] is not None else "no"
-        rows.append(f"| {s['run']} | `{s['precision']}` | {s['steps']} | {s['final_loss']:.3f} | {s['min_loss']:.3f} | "
-                    f"{s['max_loss_over_min']:.2f} | {s['max_grad_norm']:.3g} | {div} |")
+        if (run_path / "metrics.jsonl").exists():
+            rows.append(row(summarize(run_path)))
     text = doc.read_text()
     head, _, rest = text.partition(TABLE_START)
     _, _, tail = rest.partition(TABLE_END)
@@ -77,7 +74,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--only", nargs="*", help="candidate names (default: all)")
     ap.add_argument("--table-only", action="store_true", help="only rewrite the table in the doc")
-    args = ap.parse_args()
+    ap.add_argument("--config", default="tiny-cpu.toml", help="a TOML under configs/")
+    ap.add_argument("--tag", default="", help="prefix of the run folders (e.g. micro-)")
+    ap.add_argument("--set", nargs="*", default=[], help="extra key=value overrides for every run")
+    global ARGS
+    args = ARGS = ap.parse_args()
     doc = ROOT / "docs" / "cpu-reproduction.md"
     if not args.table_only:
         for name in args.only or CANDIDATES:

@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     add_diagnose_arguments(sub.add_parser("diagnose", help="run the mechanism probes on a run's checkpoint and batch"))
     from .experiments.repro.command import add_repro_arguments, run_repro_command
     add_repro_arguments(sub.add_parser("repro", help="the study's claims as matched training runs, with verdicts"))
+    from .experiments.report import add_report_arguments, run_report
+    add_report_arguments(sub.add_parser("report", help="report.md and report.html with figures, from a repro, "
+                                                       "training runs and/or a lab folder"))
     # key=value overrides may stand anywhere after `train CONFIG` (argparse cannot interleave
     # them with --out), so they are collected from the arguments argparse does not know
     args, extra = parser.parse_known_args(argv)
@@ -86,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_diagnose(args)
         if args.command == "repro":
             return run_repro_command(args)
+        if args.command == "report":
+            return run_report(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:  # ConfigError is a ValueError
         print(f"flashguard {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 
 __all__ = ["plot_spectral_norms", "plot_tie_rate", "plot_delta_bias", "plot_singular_values", "plot_monitor",
-           "series"]
+           "series", "draw_head_norms"]
 
 
 def _plt():
@@ -83,15 +83,22 @@ def plot_spectral_norms(records: list[dict], path, *, which: str = "wq", layers=
     title = f"{'W_Q' if which == 'wq' else 'W_K'} spectral norm per head"
     fig, axes = _panels(len(layers), title if layers else title + " (no probe metrics)")
     for ax, layer in zip(axes, layers):
-        for key in sorted((k for k in data if re.search(rf"/L{layer}H\d+$", k)),
-                          key=lambda k: int(k.rsplit("H", 1)[1])):
-            steps, vals = data[key]
-            ax.plot(steps, vals, label="H" + key.rsplit("H", 1)[1])
+        draw_head_norms(ax, data, layer)
         ax.set_title(f"layer {layer}")
-        ax.set_xlabel("step")
-        ax.set_ylabel("spectral norm")
-        ax.legend(fontsize="small", ncol=2)
     return _save(fig, path)
+
+
+def draw_head_norms(ax, data: dict[str, tuple[list[int], list[float]]], layer: int) -> int:
+    """One line per head of ``layer`` from ``series(...)`` of per-head norm keys (``.../L<l>H<h>``),
+    heads in order; returns how many were drawn (also used by the report's cross-run figure)."""
+    keys = sorted((k for k in data if re.search(rf"/L{layer}H\d+$", k)), key=lambda k: int(k.rsplit("H", 1)[1]))
+    for key in keys:
+        ax.plot(*data[key], label="H" + key.rsplit("H", 1)[1])
+    ax.set_xlabel("step")
+    ax.set_ylabel("spectral norm")
+    if keys:
+        ax.legend(fontsize="small", ncol=2)
+    return len(keys)
 
 
 def plot_tie_rate(records: list[dict], path) -> Path:

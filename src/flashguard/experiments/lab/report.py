@@ -6,9 +6,9 @@ from pathlib import Path
 
 from ...utils.atomic import atomic_output, atomic_write_text
 
-__all__ = ["write_lab"]
+__all__ = ["write_lab", "TITLES"]
 
-_TITLES = {
+TITLES = {
     "i_tie_bias": "(i) tied maxima + mostly negative V: O biased negative, delta error positive",
     "ii_no_ties_no_bias": "(ii) without ties the bias vanishes",
     "iii_paper_fix_beta2": "(iii) the paper's stabilizer (beta = 2) removes the bias",
@@ -48,7 +48,7 @@ def render_markdown(result: dict) -> str:
           "with its 95% CI over instances; **+** / **-** marks a significant bias (sign test p < 0.01,",
           "|ratio| >= 0.05, CI of the mean excluding 0, mean |error| above 1e-9).", "", "## Verdicts", ""]
     md.append(_table(["experiment", "verdict", "evidence"],
-                     [[_TITLES.get(k, k), f"**{v}**", "<br>".join(result["details"][k])]
+                     [[TITLES.get(k, k), f"**{v}**", "<br>".join(result["details"][k])]
                       for k, v in result["verdicts"].items()]))
     stabs = ["none", "paper(beta=2,tol=0.001)", "paper(beta=7,tol=0.001)", "safe"]
     for pol in ("paper", "fa2"):
