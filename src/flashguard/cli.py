@@ -55,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="flashguard", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="the main job (minutes on a CPU): lab, matched training runs, claims and a report")
+    d.add_argument("--out", default="demo", help="output folder (default: demo); rerun to resume")
+    d.add_argument("--data", default="data/embedded", help="corpus folder, prepared there if missing "
+                                                           "(default: data/embedded)")
+    d.add_argument("--steps", type=int, help="steps per training run (default: 200)")
     sub.add_parser("showcase", help="one-minute tour: tie-induced rounding bias and its fixes")
     from .data.command import add_prepare_arguments, run_prepare
     add_prepare_arguments(sub.add_parser("prepare", help="tokenize a corpus into nanoGPT-style train.bin / val.bin"))
@@ -75,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or (args.overrides and args.command not in ("train", "repro")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or args.overrides)}")
     try:
+        if args.command == "demo":
+            from .experiments.demo import run_demo
+            run_demo(args.out, data_dir=args.data, steps=args.steps)
+            return 0
         if args.command == "showcase":
             from .experiments.showcase import run_showcase
             run_showcase()

@@ -96,7 +96,8 @@ def _c3(S, L, dirs):
     def judge():
         a, b = f"flash-layer{L}", f"fp32-layer{L}"
         da, db = _div(S, a), _div(S, b)
-        nums = {f"{a}_diverged_at": da, f"{b}_diverged_at": db, **_norm_growth(dirs["paper"], L)}
+        nums = {f"{a}_diverged_at": da, f"{b}_diverged_at": db,
+                **(_norm_growth(dirs["paper"], L) if "paper" in dirs else {})}
         ev = f"{_fate(S, a)}; {_fate(S, b)}"
         if "focus_head" in nums:
             ev += (f"; paper run: W_Q norm of L{L} {nums['focus_head']} {nums['focus_norm_first']:.2f} -> "

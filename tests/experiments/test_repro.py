@@ -1,0 +1,107 @@
+"""`flashguard repro`: the claims' verdict logic on fabricated run summaries, and a smoke run
+of every run and claim on the micro preset (and the study's GPT-2 preset at reduced size)."""
+import contextlib
+import json
+
+import pytest
+from run_helpers import crash_at
+
+from flashguard.cli import main
+from flashguard.experiments.repro import CLAIMS, get_preset, judge_claims, run_repro, run_specs
+from flashguard.train import JsonlLog
+
+
+def _s(diverged_at=None, status=None, steps=100):
+    return {"steps": steps, "final_loss": 1.0, "min_loss": 0.9, "diverged_at": diverged_at,
+            "status": status or ("diverged" if diverged_at is not None else "done")}
+
+
+def _verdicts(**runs):
+    summaries = {n.replace("_", "-"): s for n, s in runs.items()}
+    return {c["id"]: c["verdict"] for c in judge_claims(summaries, {}, 1, ["C1", "C2", "C3", "C4", "C8"])}
+
+
+def test_verdicts_when_the_paper_run_diverges_and_the_ablations_behave_as_the_study_says():
+    v = _verdicts(fp32=_s(), paper=_s(50), paper_fix=_s(), safe=_s(), no_tiling=_s(60),
+                  **{"flash_layer1": _s(70), "fp32_layer1": _s()}, delta_o_highp=_s(), delta_dp_p=_s(), pv_fp32=_s())
+    assert v == {"C1": "held", "C2": "held", "C3": "held", "C4": "held", "C8": "held"}
+
+
+def test_verdicts_when_the_ablations_contradict_the_study():
+    v = _verdicts(fp32=_s(), paper=_s(50), paper_fix=_s(80), safe=_s(), no_tiling=_s(),
+                  **{"flash_layer1": _s(), "fp32_layer1": _s()}, delta_o_highp=_s(), delta_dp_p=_s(90), pv_fp32=_s())
+    assert v == {"C1": "held", "C2": "not held", "C3": "not held", "C4": "not held", "C8": "not held"}
+
+
+def test_nothing_to_localise_without_a_failure_and_fp32_failing_is_not_a_precision_effect():
+    calm = _verdicts(fp32=_s(), paper=_s(), paper_fix=_s(), safe=_s(), no_tiling=_s(),
+                     **{"flash_layer1": _s(), "fp32_layer1": _s()}, delta_o_highp=_s(), delta_dp_p=_s(), pv_fp32=_s())
+    assert calm["C1"] == "not held" and {calm[c] for c in ("C2", "C3", "C4", "C8")} == {"inconclusive"}
+    assert _verdicts(fp32=_s(40), paper=_s(50))["C1"] == "inconclusive"
+    assert _verdicts(fp32=_s(), paper=_s(status="partial"))["C1"] == "inconclusive"
+
+
+def test_run_specs_differ_from_the_paper_run_in_one_option():
+    specs = {s.name: s for s in run_specs("paper[pv=e8m4]", 1, 256, remedies=True)}
+    assert set(specs) >= {"fp32", "paper", "paper-fix", "safe", "no-tiling", "fp32-layer1", "flash-layer1",
+                          "delta-o-highp", "delta-dp-p", "pv-fp32", "qk-layernorm", "z-loss", "softcap"}
+    assert specs["paper"].overrides == ("attention.precision=paper[pv=e8m4]",)
+    assert "attention.precision=paper[pv=e8m4,delta_source=dp_p]" in specs["delta-dp-p"].overrides
+    assert "attention.precision=paper[pv=fp32]" in specs["pv-fp32"].overrides
+    assert specs["flash-layer1"].overrides == ("attention.precision=fp32", "attention.layers.1.precision=paper[pv=e8m4]")
+
+
+def test_repro_smoke_on_micro_every_claim_matched_batches_and_resume(tiny_data, tmp_path, monkeypatch):
+    out = tmp_path / "repro"
+    data = [f'data.dir="{tiny_data}"', "train.checkpoint_every=10"]
+    crash_at(monkeypatch, 25)  # the first run is interrupted after its step-20 checkpoint
+    with pytest.raises(KeyboardInterrupt):
+        run_repro(get_preset("micro"), out, remedies=True, overrides=data, progress=False, log=lambda m: None)
+    monkeypatch.undo()
+    result = run_repro(get_preset("micro"), out, remedies=True, overrides=data, progress=False, log=lambda m: None)
+    saved = json.loads((out / "repro.json").read_text())
+    assert saved["claims"] == json.loads(json.dumps(result["claims"]))
+    assert [c["id"] for c in saved["claims"]] == list(CLAIMS)
+    assert all(c["verdict"] in ("held", "not held", "inconclusive") and c["evidence"] for c in saved["claims"])
+    assert len(saved["runs"]) == 13 and all(r["summary"]["status"] in ("done", "diverged") for r in saved["runs"])
+    assert {m["name"] for m in saved["remedies"]} == {"paper", "qk-layernorm", "z-loss", "softcap", "fp32",
+                                                      "paper-fix", "safe"}
+    # matched runs: the same batches, step for step (the interrupted run included)
+    batches = {r["name"]: JsonlLog.read(out / r["dir"] / "batches.jsonl") for r in saved["runs"]}
+    assert all(b == batches["paper"] for b in batches.values()) and len(batches["paper"]) == 40
+    # the probes ran on the focus layer (C5/C6 read them)
+    paper = JsonlLog.read(out / "runs" / "paper" / "metrics.jsonl")
+    assert sum("numerics/delta_err_mean/L1" in r for r in paper) == 4
+    text = (out / "claims.md").read_text()
+    assert all(f"| {c}: " in text for c in CLAIMS)
+    # a second call trains nothing
+    before = {r["name"]: (out / r["dir"] / "metrics.jsonl").stat().st_mtime_ns for r in saved["runs"]}
+    run_repro(get_preset("micro"), out, remedies=True, overrides=data, progress=False, log=lambda m: None)
+    assert before == {r["name"]: (out / r["dir"] / "metrics.jsonl").stat().st_mtime_ns for r in saved["runs"]}
+
+
+def test_study_preset_starts_at_reduced_size(tiny_data, tmp_path, capsys):
+    out = tmp_path / "gpt2"
+    code = main(["repro", "--preset", "gpt2-124m-owt", "--claims", "C1", "--steps", "2", "--out", str(out),
+                 f'data.dir="{tiny_data}"', "model.n_layer=2", "model.n_head=2", "model.n_embd=64",
+                 "model.block_size=64", "data.batch_size=2", "train.grad_accum=1", "train.eval_every=0",
+                 "train.progress=false"])
+    assert code == 0
+    saved = json.loads((out / "repro.json").read_text())
+    assert saved["preset"] == "gpt2-124m-owt" and [c["id"] for c in saved["claims"]] == ["C1"]
+    cfg = (out / "runs" / "paper" / "config.toml").read_text()
+    assert 'preset = "gpt2-124m"' in cfg and "lr = 0.001" in cfg
+    assert "C1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--claims", "C9"], "C9"),
+    (["--preset", "huge"], "huge"),
+    (["model.n_layer=1"], "focus layer 1"),
+])
+def test_bad_repro_arguments_name_the_problem(tiny_data, tmp_path, capsys, args, msg):
+    with pytest.raises(SystemExit) if "--preset" in args else contextlib.nullcontext():
+        code = main(["repro", "--preset", "micro", "--out", str(tmp_path / "r"), f'data.dir="{tiny_data}"', *args]
+                    if "--preset" not in args else ["repro", "--out", str(tmp_path / "r"), *args])
+        assert code == 2
+    assert msg in capsys.readouterr().err
