@@ -105,3 +105,22 @@ def test_bad_repro_arguments_name_the_problem(tiny_data, tmp_path, capsys, args,
                     if "--preset" not in args else ["repro", "--out", str(tmp_path / "r"), *args])
         assert code == 2
     assert msg in capsys.readouterr().err
+
+
+def test_demo_writes_the_report_and_resumes(tiny_data, tmp_path, capsys):
+    """`flashguard demo` end to end at 3 steps per run (the real lab, runs and report)."""
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--data", str(tiny_data), "--steps", "3"]) == 0
+    printed = capsys.readouterr().out
+    html = (out / "report" / "report.html").read_text()
+    assert f"report: {(out / 'report' / 'report.html').resolve()}" in printed
+    saved = json.loads((out / "repro.json").read_text())
+    assert [c["id"] for c in saved["claims"]] == ["C1", "C5", "C6", "C8"] and saved["lab"] == "lab"
+    assert {r["name"] for r in saved["runs"]} == {"fp32", "paper", "paper-fix", "safe"}
+    assert html.count("data:image/png;base64,") >= 4 and "C8" in html
+    assert (out / "lab" / "lab.json").exists()
+    # a second call resumes: nothing is trained or measured again
+    stamp = (out / "lab" / "lab.json").stat().st_mtime_ns
+    assert main(["demo", "--out", str(out), "--data", str(tiny_data), "--steps", "3"]) == 0
+    assert (out / "lab" / "lab.json").stat().st_mtime_ns == stamp
+    assert "already done" in capsys.readouterr().out

@@ -1,6 +1,6 @@
 """A one-minute tour of the mechanism: tied maxima + same-sign V -> biased O in bf16.
 
-Until `flashguard demo` (the full reproduction) exists, this is the main job of the README.
+`flashguard demo` is the README's main job; this one-minute tour stays for a first look.
 It runs one sink-like lab problem (rows whose maximum repeats and dominates, mostly negative
 V) through the reference-code arithmetic (`paper`), production-kernel arithmetic (`fa2`) and
 fp32, each with no stabilizer, the study's fix and ours, and prints the lab's measurements.
