@@ -1,7 +1,14 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU the Triton kernels are tested in Triton's CPU interpreter, which must be chosen
+# before triton is first imported (tests/attention/test_triton.py says why).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # test helpers that live next to the tests (tests/run_helpers.py, tests/attention/paper_cases.py)
 sys.path.insert(0, str(Path(__file__).parent))

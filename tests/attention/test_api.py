@@ -134,3 +134,43 @@ def test_autocast_does_not_leak_into_the_fp32_policy():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         inside = flash_attention(q, k, v, precision="fp32")
     assert inside.dtype == torch.float32 and torch.equal(plain, inside)
+
+
+def test_backend_argument():
+    """backend="pytorch" is the tiled implementation; "auto" picks it on CPU (triton needs
+    CUDA); unknown names fail in flash_attention and at override_sdpa's `with`."""
+    from flashguard.attention import choose_backend, triton_available
+
+    q = torch.randn(1, 2, 16, 8)
+    assert choose_backend(q, q, q) == "pytorch"
+    assert choose_backend(q, q, q, backend="triton") == "triton"
+    assert isinstance(triton_available(), bool)
+    a = flash_attention(q, q, q, is_causal=True, stabilizer="safe")
+    b = flash_attention(q, q, q, is_causal=True, stabilizer="safe", backend="pytorch")
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        flash_attention(q, q, q, backend="cuda")
+    with pytest.raises(ValueError, match="unknown backend"):
+        with override_sdpa(backend="fast"):
+            pass
+    with override_sdpa(backend="pytorch"):
+        assert torch.equal(F.scaled_dot_product_attention(q, q, q, is_causal=True),
+                           flash_attention(q, q, q, is_causal=True))
+
+
+def test_triton_backend_refuses_unsupported_features_without_running():
+    """The checks come before any kernel is loaded, so they hold with or without triton."""
+    from flashguard.attention.triton_flash import fa2_structured, triton_unsupported
+
+    q = torch.randn(1, 1, 8, 16)
+    for name in ("fa2", "fa2-fp16", "fp32", "fa2[row_sum_rounded=true]"):
+        assert fa2_structured(name) is None, name
+    for name in ("paper", "fp64", "fa2-e5m2", "fa2[pv=bf16]"):
+        assert fa2_structured(name), name
+    assert "attn_mask" in triton_unsupported(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool), need_device=False)
+    assert "softcap" in triton_unsupported(q, q, q, softcap=5.0, need_device=False)
+    assert "head dim" in triton_unsupported(torch.randn(1, 1, 8, 256), torch.randn(1, 1, 8, 256),
+                                            torch.randn(1, 1, 8, 256), need_device=False)
+    assert triton_unsupported(q, q, q, stabilizer="paper:beta=7", block_q=64, need_device=False) is None
+    with pytest.raises(NotImplementedError, match="softcap"):
+        flash_attention(q, q, q, softcap=5.0, backend="triton")

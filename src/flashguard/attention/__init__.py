@@ -1,10 +1,13 @@
 """Flash attention with controlled arithmetic, its stabilizers and the one reference attention."""
 from .flash import flash_backward, flash_forward
-from .function import DEFAULT_BLOCK, flash_attention, override_sdpa, scaled_dot_product_attention
+from .function import (DEFAULT_BLOCK, KERNEL_BACKENDS, choose_backend, flash_attention, override_sdpa,
+                       scaled_dot_product_attention)
 from .reference import reference_attention
 from .stabilizers import (STABILIZERS, NoStabilizer, PaperStabilizer, SafeStabilizer, Stabilizer,
                           get_stabilizer)
+from .triton_flash import triton_available, triton_flash_attention
 
 __all__ = ["flash_attention", "scaled_dot_product_attention", "override_sdpa", "reference_attention",
            "flash_forward", "flash_backward", "Stabilizer", "NoStabilizer", "PaperStabilizer",
-           "SafeStabilizer", "get_stabilizer", "STABILIZERS", "DEFAULT_BLOCK"]
+           "SafeStabilizer", "get_stabilizer", "STABILIZERS", "DEFAULT_BLOCK", "KERNEL_BACKENDS",
+           "choose_backend", "triton_available", "triton_flash_attention"]

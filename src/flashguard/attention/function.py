@@ -17,12 +17,20 @@ from ..numerics.arith import cast, rounding
 from ..numerics.policy import PrecisionPolicy, get_policy
 from .flash import flash_backward, flash_forward
 from .stabilizers import Stabilizer, get_stabilizer
+from .triton_flash import triton_available, triton_flash_attention, triton_unsupported
 
-__all__ = ["flash_attention", "scaled_dot_product_attention", "override_sdpa", "DEFAULT_BLOCK"]
+__all__ = ["flash_attention", "scaled_dot_product_attention", "override_sdpa", "DEFAULT_BLOCK", "KERNEL_BACKENDS",
+           "choose_backend"]
 
 # Tile edge used when block_q / block_k are not given: the study's reference code uses 512,
 # and on CPU large tiles keep the Python loop short. Production GPU kernels use 64-128.
 DEFAULT_BLOCK = 512
+
+# Which implementation runs: "pytorch" (the tiled PyTorch FA2 of .flash: any policy, any
+# device, every intermediate rounded as the policy says), "triton" (fused kernels of
+# .triton_flash: fa2-structured policies, no masks or soft-capping), or "auto": triton when
+# q is on CUDA, triton imports and the call is one the kernels support, else pytorch.
+KERNEL_BACKENDS = ("auto", "pytorch", "triton")
 
 
 class _FlashAttentionFn(torch.autograd.Function):
@@ -94,11 +102,30 @@ def _check_inputs(q, k, v, attn_mask):
                          f"(batch, heads, T_q, T_k) = {target}")
 
 
+def _check_backend(backend):
+    if backend not in KERNEL_BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(KERNEL_BACKENDS)}")
+    return backend
+
+
+def choose_backend(q, k, v, *, attn_mask=None, precision="fa2", stabilizer="none", block_q=None,
+                   block_k=None, softcap=None, backend="auto") -> str:
+    """The implementation ``flash_attention`` runs for these arguments: "pytorch" or "triton"."""
+    _check_backend(backend)
+    if backend != "auto":
+        return backend
+    if not q.is_cuda or not triton_available():
+        return "pytorch"
+    reason = triton_unsupported(q, k, v, attn_mask=attn_mask, softcap=softcap, precision=precision,
+                                stabilizer=stabilizer, block_q=block_q, block_k=block_k)
+    return "pytorch" if reason else "triton"
+
+
 def flash_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
                     precision: "str | PrecisionPolicy" = "fa2",
                     stabilizer: "str | Stabilizer" = "none",
                     block_q: int | None = None, block_k: int | None = None,
-                    softcap: float | None = None) -> torch.Tensor:
+                    softcap: float | None = None, backend: str = "auto") -> torch.Tensor:
     """Flash attention with a chosen arithmetic.
 
     q: (B, H, T_q, D), k: (B, H, T_k, D), v: (B, H, T_k, D_v) -> (B, H, T_q, D_v) in q's dtype.
@@ -109,17 +136,28 @@ def flash_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
     ``paper`` (``paper:beta=7,tol=1e-3``), ``safe`` or a Stabilizer. Tiles default to 512.
     ``softcap``: attention-logit soft-capping, scores -> softcap * tanh(scores / softcap)
     (after scaling, before masks), as in Gemma 2.
+    ``backend``: ``"pytorch"`` (the tiled PyTorch implementation: every policy and feature),
+    ``"triton"`` (fused Triton kernels: fa2-structured policies - ``fa2``, ``fa2-fp16``,
+    ``fp32`` - without attn_mask or softcap; tiles ``block_q`` / ``block_k`` powers of two in
+    [16, 128], None = the kernels' own; NotImplementedError otherwise) or ``"auto"`` (triton
+    when q is on CUDA, triton imports and the call is supported, else pytorch).
     """
     _check_inputs(q, k, v, attn_mask)
     policy = get_policy(precision)
     stab = get_stabilizer(stabilizer)
-    block_q, block_k = _check_block("block_q", block_q), _check_block("block_k", block_k)
+    tiles = _check_block("block_q", block_q), _check_block("block_k", block_k)
+    which = choose_backend(q, k, v, attn_mask=attn_mask, precision=policy, stabilizer=stab, block_q=block_q,
+                           block_k=block_k, softcap=softcap, backend=backend)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not softcap > 0):
         raise ValueError(f"softcap must be a positive float or None, got {softcap!r}")
+    if which == "triton":
+        return triton_flash_attention(q, k, v, is_causal=bool(is_causal), scale=float(scale), stabilizer=stab,
+                                      precision=policy, attn_mask=attn_mask, softcap=softcap,
+                                      block_m=block_q, block_n=block_k)  # None: the kernels' tiles
     keep = bias = None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -127,7 +165,7 @@ def flash_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
         else:
             bias = attn_mask.detach()
     return _FlashAttentionFn.apply(q, k, v, keep, bias, bool(is_causal), float(scale), policy, stab,
-                                   block_q, block_k, None if softcap is None else float(softcap))
+                                   *tiles, None if softcap is None else float(softcap))
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -135,7 +173,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
     Accepts SDPA's (..., L, E) inputs with any number of leading dims and ``enable_gqa``;
-    ``options`` are ``flash_attention``'s (precision, stabilizer, block_q, block_k).
+    ``options`` are ``flash_attention``'s (precision, stabilizer, block_q, block_k, softcap, backend).
     """
     if dropout_p:
         raise NotImplementedError(f"flashguard attention has no dropout; got dropout_p={dropout_p}")
@@ -173,14 +211,17 @@ def override_sdpa(**options):
 
         with override_sdpa(precision="paper", stabilizer="safe"):
             loss = model(x).loss
+
+    ``backend="triton"`` / ``"pytorch"`` / ``"auto"`` (the default) as in ``flash_attention``.
     """
     # validate eagerly so that a typo fails at the `with`, not at the first attention call
     get_policy(options.get("precision", "fa2"))
     get_stabilizer(options.get("stabilizer", "none"))
-    unknown = set(options) - {"precision", "stabilizer", "block_q", "block_k", "softcap"}
+    _check_backend(options.get("backend", "auto"))
+    unknown = set(options) - {"precision", "stabilizer", "block_q", "block_k", "softcap", "backend"}
     if unknown:
         raise TypeError(f"override_sdpa got unknown option(s) {sorted(unknown)}; "
-                        "expected precision, stabilizer, block_q, block_k, softcap")
+                        "expected precision, stabilizer, block_q, block_k, softcap, backend")
     original = F.scaled_dot_product_attention
 
     def patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
