@@ -83,8 +83,10 @@ def build_document(study: Study, figures: list[Figure], skipped: list[str], lab_
         doc.append(("table", Table([c for c, _ in RUN_COLUMNS], rows)))
         if study.remedies:
             doc += [("h2", "Remedies"),
-                    ("table", Table(["name", "remedy", "diverged at", "final loss", "min loss"],
-                                    [[fmt(m.get(k)) for k in ("name", "title", "diverged_at", "final_loss", "min_loss")]
+                    ("table", Table(["name", "remedy", "diverged at", "final train loss", "min train loss",
+                                     "last val loss"],
+                                    [[fmt(m.get(k)) for k in ("name", "title", "diverged_at", "final_loss", "min_loss",
+                                                              "last_val")]
                                      for m in study.remedies]))]
         doc.append(("h2", "Figures"))
         doc += [("figure", f, f.path.relative_to(out).as_posix()) for f in figures]

@@ -111,7 +111,7 @@ def _remedies(runs) -> list[dict]:
     by = {r["name"]: r for r in runs}
     return [{"name": n, "title": by[n]["title"], "diverged_at": by[n]["summary"]["diverged_at"],
              "final_loss": by[n]["summary"]["final_loss"], "min_loss": by[n]["summary"]["min_loss"],
-             "status": by[n]["summary"]["status"]} for n in REMEDY_ROWS if n in by]
+             "last_val": by[n]["summary"]["last_val"], "status": by[n]["summary"]["status"]} for n in REMEDY_ROWS if n in by]
 
 
 def _f(x, fmt=".3f") -> str:
@@ -131,9 +131,10 @@ def claims_markdown(result: dict) -> str:
         lines.append(f"| {r['name']} | {r['group']} | {r['title']} | {s['steps']} | {_f(s['final_loss'])} | "
                      f"{_f(s['min_loss'])} | {_f(s['diverged_at'], 'd')} | {s['status']} |")
     if result.get("remedies"):
-        lines += ["", "| remedy | diverged at | final loss | min loss |", "|---|---|---|---|"]
-        lines += [f"| {m['title']} | {_f(m['diverged_at'], 'd')} | {_f(m['final_loss'])} | {_f(m['min_loss'])} |"
-                  for m in result["remedies"]]
+        lines += ["", "| remedy | diverged at | final train loss | min train loss | last val loss |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {m['title']} | {_f(m['diverged_at'], 'd')} | {_f(m['final_loss'])} | {_f(m['min_loss'])} | "
+                  f"{_f(m.get('last_val'))} |" for m in result["remedies"]]
     v = result["versions"]
     lines += ["", f"flashguard {v['flashguard']}, torch {v['torch']}, Python {v['python']}."]
     return "\n".join(lines) + "\n"
