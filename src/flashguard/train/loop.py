@@ -27,7 +27,7 @@ from .config import ConfigError, RunConfig, config_to_dict, load_config, save_co
 from .divergence import LossWatch
 from .schedule import learning_rate
 
-__all__ = ["train", "TrainResult", "EXIT_OK", "EXIT_CONFIG", "EXIT_DIVERGED", "JsonlLog", "build_model"]
+__all__ = ["train", "TrainResult", "EXIT_OK", "EXIT_CONFIG", "EXIT_DIVERGED", "JsonlLog", "build_model", "gpt_config"]
 
 EXIT_OK = 0        # finished
 EXIT_CONFIG = 2    # bad configuration, data or arguments (one line names the problem)
@@ -95,17 +95,23 @@ def _setup_distributed(device_pref: str):
     return world, rank, device
 
 
-def build_model(cfg: RunConfig, vocab_size_data: int | None = None):
-    """The GPT of a run configuration (per-layer attention overrides applied)."""
-    from ..model import GPT, AttentionSpec, layer_specs, model_config
+def gpt_config(cfg: RunConfig):
+    """The GPTConfig of a run configuration: the model preset with the config's fields set."""
+    from ..model import model_config
     m = cfg.model
     overrides = {k: getattr(m, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias",
                                             "dropout") if getattr(m, k) is not None}
     overrides.update(qk_layernorm=m.qk_layernorm, attn_softcap=m.attn_softcap, z_loss=m.z_loss)
     try:
-        gcfg = model_config(m.preset, **overrides)
+        return model_config(m.preset, **overrides)
     except (KeyError, ValueError, TypeError) as e:
         raise ConfigError(f"model: {e}") from None
+
+
+def build_model(cfg: RunConfig, vocab_size_data: int | None = None):
+    """The GPT of a run configuration (per-layer attention overrides applied)."""
+    from ..model import GPT, AttentionSpec, layer_specs
+    gcfg = gpt_config(cfg)
     if vocab_size_data is not None and vocab_size_data > gcfg.vocab_size:
         raise ConfigError(f"model.vocab_size ({gcfg.vocab_size}) is smaller than the data's vocabulary "
                           f"({vocab_size_data}); set model.vocab_size or prepare the data with another tokenizer")

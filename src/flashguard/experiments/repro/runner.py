@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ...model import model_config
 from ...train import load_config, train
 from ...train.checkpoint import latest_checkpoint
+from ...train.loop import gpt_config
 from ...utils.atomic import atomic_write_text
 from .claims import CLAIMS, judge_claims
 from .presets import CLAIM_RUNS, ReproPreset, config_path, run_specs
@@ -69,8 +69,8 @@ def run_repro(preset: ReproPreset, out: str | Path, *, claims=None, remedies: bo
               f"train.progress={'true' if progress else 'false'}", *overrides]
     cfg0 = load_config(base, [*common, f"attention.precision={preset.precision}"])  # validates the overrides first
     steps = steps or preset.steps or cfg0.train.steps
-    block = cfg0.model.block_size or model_config(cfg0.model.preset).block_size
-    n_layer = cfg0.model.n_layer or model_config(cfg0.model.preset).n_layer
+    model = gpt_config(cfg0)
+    block, n_layer = model.block_size, model.n_layer
     if focus >= n_layer:
         raise ValueError(f"repro preset {preset.name!r}: focus layer {focus} does not exist ({n_layer} layers)")
     needed = _needed(claims, focus) | ({"qk-layernorm", "z-loss", "softcap"} if remedies else set())
@@ -80,20 +80,20 @@ def run_repro(preset: ReproPreset, out: str | Path, *, claims=None, remedies: bo
     for i, spec in enumerate(specs, 1):
         log(f"[{i}/{len(specs)}] {spec.name}: {spec.title}")
         _train_one(spec, base, common, steps, out / "runs" / spec.name, log)
-        _write(out, preset, specs, claims, steps, focus, common, remedies)  # partial results survive an interrupt
-    result = _write(out, preset, specs, claims, steps, focus, common, remedies)
+        _write(out, preset, specs, claims, steps, focus, common, remedies, cfg0.train.seed)  # survives an interrupt
+    result = _write(out, preset, specs, claims, steps, focus, common, remedies, cfg0.train.seed)
     result["wall_s"] = time.perf_counter() - t0
     return result
 
 
-def _write(out: Path, preset, specs, claims, steps, focus, common, remedies) -> dict:
+def _write(out: Path, preset, specs, claims, steps, focus, common, remedies, seed) -> dict:
     dirs = {s.name: out / "runs" / s.name for s in specs}
     summaries = {s.name: summarize_run(dirs[s.name], steps) for s in specs}
     runs = [{"name": s.name, "group": s.group, "title": s.title, "dir": f"runs/{s.name}",
              "overrides": [*common, *s.overrides], "summary": summaries[s.name]} for s in specs]
     verdicts = judge_claims(summaries, {n: d for n, d in dirs.items() if summaries[n]["status"] != "missing"}, focus, claims)
     result = {"preset": preset.name, "about": preset.about, "config": preset.config, "steps": steps,
-              "seed": load_config(config_path(preset), list(common)).train.seed,
+              "seed": seed,
               "base_precision": preset.precision, "focus_layer": focus,
               "divergence_rule": f"loss >= {DIVERGENCE_FACTOR:g} x its running minimum after warm-up, or non-finite",
               "versions": _versions(), "runs": runs, "claims": verdicts,
