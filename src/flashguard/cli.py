@@ -35,6 +35,8 @@ def _lab(args) -> int:
     width = max(len(k) for k in result["verdicts"])
     for key, verdict in result["verdicts"].items():
         print(f"{key:<{width}}  {verdict}")
+    for pol, answer in result["answers"].items():
+        print(f"{pol}: {answer['line']}")
     print(f"{len(result['rows'])} measurements in {result['runtime_s']:.0f} s; tables in {paths['md']}")
     return 0
 

@@ -33,7 +33,7 @@ from ..numerics.arith import cast
 from ..numerics.formats import round_to
 from ..numerics.policy import PrecisionPolicy
 
-__all__ = ["count_true", "Stabilizer", "NoStabilizer", "PaperStabilizer", "SafeStabilizer",
+__all__ = ["count_true", "exact_ties", "Stabilizer", "NoStabilizer", "PaperStabilizer", "SafeStabilizer",
            "get_stabilizer", "STABILIZERS"]
 
 
@@ -54,11 +54,23 @@ def count_true(mask: torch.Tensor) -> torch.Tensor:
     return lanes.sum(dim=-1, keepdim=True, dtype=torch.int32)
 
 
+def exact_ties(s: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """(..., rows, 1) bool: the row's maximum occurs at least twice, bit for bit. With m equal
+    to that maximum, those keys all get Pbar = exp(0) = 1: the study's trigger."""
+    return count_true((s == row_max).contiguous()) > 1
+
+
 class Stabilizer:
     name = "base"
 
     def shift(self, s: torch.Tensor, row_max: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
         raise NotImplementedError
+
+    def tied(self, s: torch.Tensor, row_max: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
+        """(..., rows, 1) bool: this stabilizer's tie rule on a key tile's scores. The default
+        is an exactly repeated maximum; a stabilizer that acts on near-ties says its own rule.
+        The measurement (``trace``) and the probes count ties through this method."""
+        return exact_ties(s, row_max)
 
     def __str__(self) -> str:
         return self.name
@@ -86,10 +98,13 @@ class PaperStabilizer(Stabilizer):
         if not (self.tol >= 0):
             raise ValueError(f"paper stabilizer: tol must be >= 0, got {self.tol!r}")
 
+    def tied(self, s, row_max, policy):
+        # at least two scores within tol of the tile row's max, compared in the scores format
+        return count_true((s >= cast(row_max - self.tol, policy.scores)).contiguous()) > 1
+
     def shift(self, s, row_max, policy):
         fmt = policy.scores
-        near_max = s >= cast(row_max - self.tol, fmt)
-        tied = count_true(near_max) > 1
+        tied = self.tied(s, row_max, policy)
         r = row_max
         r = torch.where(tied & (r > 0), cast(self.beta * r, fmt), r)
         r = torch.where(tied & (r < 0), torch.zeros_like(r), r)

@@ -16,6 +16,11 @@ Presets (``get_policy(name)``):
 * ``fa2``    production kernels: fp32 scores, statistics and accumulators, Pbar rounded to
              bf16 only as the PV matmul operand, O rounded to bf16 once.
 * ``fa2-fp16``, ``fa2-e4m3``, ``fa2-e5m2``: the same structure with that input / Pbar format.
+* ``paper-fp32fwd``  the reference arithmetic with its forward accumulators raised to fp32:
+             the PV product, the running O and the statistics m, l (everything else, the
+             backward included, stays bf16). The cheapest change the lab measured to bring the
+             reference arithmetic's tie bias to the noise floor; no shift of m does it
+             (docs/lab/lab.md: with a bf16 PV sum and row sum, every stabilizer leaves a lean).
 
 The study's backward ablations are single fields: ``delta_source`` ("o_lowp": delta from
 the stored low-precision O; "o_highp": from an fp32 copy of O accumulated beside it;
@@ -156,6 +161,8 @@ POLICIES: dict[str, PrecisionPolicy] = {
     "fa2-e4m3": _fa2("fa2-e4m3", "e4m3"),
     "fa2-e5m2": _fa2("fa2-e5m2", "e5m2"),
 }
+POLICIES["paper-fp32fwd"] = POLICIES["paper"].replace(name="paper-fp32fwd", scores="fp32", pv="fp32", o_accum="fp32",
+                                                   stats="fp32")
 
 
 _BOOL_FIELDS = ("row_sum_rounded", "visit_masked_tiles")

@@ -1,8 +1,6 @@
-"""The rounding-bias lab: controlled attention problems, measured against fp64."""
+"""The rounding-bias lab: attention problems of independent rows, measured against fp64 and the floor."""
 from .experiments import FORMAT_POLICIES, STABILIZER_SET, run_lab
-from .measure import Measurement, measure
+from .measure import Bench, Measurement
 from .problems import Problem, make_problem
-from .stats import ErrorStats, error_stats, sign_test_p
 
-__all__ = ["run_lab", "measure", "Measurement", "Problem", "make_problem", "ErrorStats", "error_stats",
-           "sign_test_p", "STABILIZER_SET", "FORMAT_POLICIES"]
+__all__ = ["run_lab", "Bench", "Measurement", "Problem", "make_problem", "STABILIZER_SET", "FORMAT_POLICIES"]

@@ -1,14 +1,21 @@
-"""The rounding-bias lab: the study's arithmetic facts as experiments with verdicts, and the
-open questions as tables. Every verdict is computed from the measurements of the run.
+"""The rounding-bias lab: the study's arithmetic facts and the fixes, judged on independent rows.
 
     from flashguard.experiments.lab import run_lab
-    result = run_lab(quick=True)                 # dict: rows, verdicts, tables
-    result = run_lab(quick=True, policy="fp32")  # the same experiments in fp32: "not held"
+    result = run_lab(quick=True)                 # dict: rows, verdicts, answers
+    result = run_lab(quick=True, policy="fp32")  # the facts tested in fp32: "not held"
 
-Verdicts: "held" when the claim holds in every condition of the experiment, "not held" when
-it holds in none, "inconclusive" otherwise (the breakdown says where). A condition is
-"biased +/-" when the sign test over instances gives p < 0.01, |bias ratio| >= 0.05 and the
-95% CI of the mean error excludes 0 (stats.ErrorStats).
+Every cell is an arithmetic on a problem family of independent rows (``problems.Problem``),
+judged by the lean of its unit errors beyond its noise floor on the same problems
+(``measure.Bench``; a lean counts at |z| >= 3.29 and |bias ratio| >= 0.02, see
+attention.error_stats). Verdicts over a set of conditions: "held" where the claim holds in
+every condition, "not held" where in none, "partly held" otherwise, with the conditions
+listed; "inconclusive" only where no condition tests the claim (e.g. nothing to remove).
+
+The answer per arithmetic ("biased under ties: yes/no; removed by: ...") checks each
+candidate fix against four rules on every condition: where the arithmetic without a fix
+leans beyond the floor (O or delta), the fix does not; where it does not lean, the fix adds
+no lean; it is never less accurate than no fix by more than 1.25x in mean |O error| where
+there was nothing to fix; and it never gives a non-finite or zeroed row.
 """
 from __future__ import annotations
 
@@ -17,94 +24,142 @@ from dataclasses import replace
 
 import torch
 
-from ...numerics import BF16, get_policy, round_to
-from .measure import Measurement, measure
+from ...attention.trace import Arithmetic
+from ...numerics import get_policy, round_to
+from .measure import Bench, Measurement
 from .problems import Problem
 
-__all__ = ["run_lab", "STABILIZER_SET", "FORMAT_POLICIES"]
+__all__ = ["run_lab", "STABILIZER_SET", "FORMAT_POLICIES", "fix_candidates", "MAE_FACTOR",
+           "DECOMPOSITION", "judge_fix", "verdict_over"]
 
 STABILIZER_SET = ["none", "paper", "paper:beta=7", "safe"]
 FORMAT_POLICIES = ["paper", "fa2", "fa2-fp16", "fa2-e4m3", "fa2-e5m2"]
+MAE_FACTOR = 1.25  # a fix may cost at most this much accuracy where there is nothing to fix
+
+# components raised to fp32 one at a time: where the bias enters
+DECOMPOSITION = {
+    "PV product": {"pv": "fp32"},
+    "O accumulator": {"o_accum": "fp32"},
+    "PV + O accumulator": {"pv": "fp32", "o_accum": "fp32"},
+    "statistics m, l": {"stats": "fp32"},
+    "PV + O acc. + statistics": {"pv": "fp32", "o_accum": "fp32", "stats": "fp32"},
+    "row sum from rounded Pbar": {"row_sum_rounded": True},
+    "delta product and sum": {"delta_product": "fp32", "delta": "fp32"},
+}
 
 
-def _verdict(flags: list[bool]) -> str:
-    if flags and all(flags):
+def fix_candidates(policy: str) -> list[Arithmetic]:
+    """What a user could change in ``policy``: each stabilizer, and the arithmetic changes the
+    lab measures (the fp32 forward accumulators; the consistent row sum of FA PR #2721)."""
+    out = [Arithmetic.of(policy, s) for s in STABILIZER_SET if s != "none"]
+    p = get_policy(policy)
+    if policy == "paper":
+        out.append(Arithmetic.of("paper-fp32fwd"))
+    if not p.row_sum_rounded:
+        out.append(Arithmetic.of(p.replace(row_sum_rounded=True)))
+    return out
+
+
+def verdict_over(flags: dict[str, bool]) -> str:
+    """held / partly held / not held over conditions; inconclusive with none."""
+    if not flags:
+        return "inconclusive"
+    if all(flags.values()):
         return "held"
-    if not any(flags):
+    if not any(flags.values()):
         return "not held"
-    return "inconclusive"
+    return "partly held"
 
 
-class _Lab:
-    def __init__(self, quick: bool, seed: int, instances: int | None = None):
-        self.base = Problem(n=instances or (32 if quick else 128), t=128 if quick else 256, seed=seed)
-        self.rows: list[dict] = []
-        self._cache: dict = {}
+def _leans(m: Measurement) -> bool:
+    return m.o_vs_floor.biased or m.delta_vs_floor.biased
 
-    def run(self, problem: Problem, policy: str, stabilizer: str, experiment: str) -> Measurement:
-        key = (problem, policy, stabilizer)
-        if key not in self._cache:
-            self._cache[key] = measure(problem, policy, stabilizer)
-        m = self._cache[key]
-        self.rows.append({"experiment": experiment, **m.to_dict()})
-        return m
 
-    def cond(self, **kw) -> Problem:
-        return replace(self.base, **kw)
+def judge_fix(plain: Measurement, fixed: Measurement) -> tuple[bool, str]:
+    """The four rules of the module docstring for one condition: (ok, reason if not)."""
+    if fixed.bad_rows:
+        return False, f"{fixed.bad_rows} non-finite or zeroed rows"
+    if _leans(plain):
+        if _leans(fixed):
+            return False, (f"still leans: O {fixed.o_vs_floor.cell()}, delta {fixed.delta_vs_floor.cell(1e-6)} "
+                           f"(none: O {plain.o_vs_floor.cell()})")
+        return True, ""
+    if _leans(fixed):
+        return False, f"adds a lean: O {fixed.o_vs_floor.cell()}, delta {fixed.delta_vs_floor.cell(1e-6)}"
+    if fixed.o_mae > MAE_FACTOR * plain.o_mae:
+        return False, f"less accurate: mean |O error| {fixed.o_mae / plain.o_mae:.2f}x that of no fix"
+    return True, ""
+
+
+def _conditions(quick: bool, seed: int, n: int) -> dict[str, list[Problem]]:
+    base = Problem(n_rows=n, seed=seed)
+    ties = [replace(base, ties=k, tail=tl) for k in (2, 3, 8) for tl in (0.25, 4.0)]
+    ties.append(replace(base, ties=16, t=1024, tail=0.25))   # two 512-tiles: O accumulated across them
+    if not quick:
+        ties += [replace(base, ties=16, t=1024, tail=4.0), replace(base, ties=4, tail=1.0)]
+    others = [replace(base, ties=2, v_mean=1.0, do_mean=0.5),      # V mostly positive: signs flip
+              replace(base, ties=2, sink=True, rows=16),             # one sink per instance: unit = instance
+              replace(base, ties=2, offset=100.0)]                 # large logits: coarse bf16 scores
+    no_ties = [replace(base, ties=1, tail=tl) for tl in (0.25, 4.0)]
+    return {"ties": ties, "others": others, "no_ties": no_ties}
 
 
 def run_lab(quick: bool = False, policy: str = "paper", seed: int = 0, progress=None,
-            instances: int | None = None) -> dict:
-    """Run every experiment; ``policy`` is the arithmetic the study's facts are tested in;
-    ``instances`` overrides the number of independent problem instances per condition."""
+            n_rows: int | None = None) -> dict:
+    """Run every experiment; ``policy`` is the arithmetic the study's facts (i)-(iii) are tested in;
+    ``n_rows`` (default 1,024 quick, 3,072 full) the independent rows per condition."""
+    n = n_rows or (1024 if quick else 3072)
+    if n < 32:
+        raise ValueError(f"run_lab: n_rows must be >= 32, got {n}")
     t0 = time.perf_counter()
-    lab = _Lab(quick, seed, instances)
+    bench = Bench()
     say = progress or (lambda msg: None)
+    rows: list[dict] = []
+
+    def cell(p: Problem, a, experiment: str) -> Measurement:
+        m = bench.measure(p, a)
+        rows.append({"experiment": experiment, **m.to_dict()})
+        return m
+
+    conds = _conditions(quick, seed, n)
+    tied = conds["ties"]  # V leans negative in every one of these
     verdicts, details = {}, {}
-    ks = [2, 3, 4, 8]
-    gaps = [8.0] if quick else [4.0, 8.0, 12.0]
-    tie_conditions = [lab.cond(ties=k, gap=g) for k in ks for g in gaps]
 
-    # (i) tied maxima + mostly negative V: O biased negative, delta error biased positive
+    # (i) tied maxima + mostly negative V: O leans negative beyond the floor, delta positive
     say("(i) tie bias")
-    flags, notes = [], []
-    for c in tie_conditions:
-        m = lab.run(c, policy, "none", "i")
-        ok = m.o.verdict == "biased -" and m.delta.verdict == "biased +"
-        flags.append(ok)
-        notes.append(f"{c.label()}: O {m.o.verdict} ({m.o.bias_ratio:+.2f}), delta {m.delta.verdict} "
-                     f"({m.delta.bias_ratio:+.2f})")
-    verdicts["i_tie_bias"], details["i_tie_bias"] = _verdict(flags), notes
+    flags, notes = {}, []
+    for c in tied:
+        m = cell(c, Arithmetic.of(policy), "i")
+        flags[c.label()] = m.o_vs_floor.verdict == "biased -" and m.delta_vs_floor.verdict == "biased +"
+        notes.append(f"{c.label()}: O {m.o_vs_floor.cell()}, delta {m.delta_vs_floor.cell(1e-6)}"
+                     f" [tail {m.tail_half_ulps:.2f} half-ulps]")
+    verdicts["i_tie_bias"], details["i_tie_bias"] = verdict_over(flags), notes
 
-    # (ii) without ties the bias vanishes
+    # (ii) without ties there is no lean
     say("(ii) no ties")
-    flags, notes = [], []
-    for g in gaps:
-        c = lab.cond(ties=1, gap=g)
-        m = lab.run(c, policy, "none", "ii")
-        flags.append(m.o.verdict == "no bias" and m.delta.verdict == "no bias")
-        notes.append(f"{c.label()}: O {m.o.verdict} ({m.o.bias_ratio:+.2f}), delta {m.delta.verdict}")
-    verdicts["ii_no_ties_no_bias"], details["ii_no_ties_no_bias"] = _verdict(flags), notes
+    flags, notes = {}, []
+    for c in conds["no_ties"]:
+        m = cell(c, Arithmetic.of(policy), "ii")
+        flags[c.label()] = not _leans(m)
+        notes.append(f"{c.label()}: O {m.o_vs_floor.cell()}, delta {m.delta_vs_floor.cell(1e-6)}")
+    verdicts["ii_no_ties_no_bias"], details["ii_no_ties_no_bias"] = verdict_over(flags), notes
 
-    # (iii) the paper's stabilizer removes it, beta = 2 and beta = 7, across k and max-logit size;
-    # judged where the unstabilized run is biased (elsewhere there is nothing to remove)
-    say("(iii) paper stabilizer")
-    logit_sizes = [1.0, 8.0] if quick else [1.0, 8.0, 32.0]
-    conds = tie_conditions + [lab.cond(ties=2, gap=8.0, max_logit=x) for x in logit_sizes if x != 1.0]
-    for beta, key in (("paper", "iii_paper_fix_beta2"), ("paper:beta=7", "iii_paper_fix_beta7")):
-        flags, notes = [], []
-        for c in conds:
-            plain = lab.run(c, policy, "none", "iii")
-            fixed = lab.run(c, policy, beta, "iii")
-            if plain.o.biased or plain.delta.biased:
-                flags.append(not fixed.o.biased and not fixed.delta.biased)
-                notes.append(f"{c.label()}: none {plain.o.verdict} ({plain.o.bias_ratio:+.2f}) -> {beta} "
-                             f"{fixed.o.verdict} ({fixed.o.bias_ratio:+.2f}), delta {fixed.delta.verdict}")
-        verdicts[key] = _verdict(flags) if flags else "inconclusive"
-        details[key] = notes or ["no condition was biased without the stabilizer"]
+    # (iii) the study's fix removes the lean where there is one (beta = 2 and 7)
+    say("(iii) the study's fix")
+    for stab, key in (("paper", "iii_paper_fix_beta2"), ("paper:beta=7", "iii_paper_fix_beta7")):
+        flags, notes = {}, []
+        for c in tied + conds["others"]:
+            plain = cell(c, Arithmetic.of(policy), "iii")
+            fixed = cell(c, Arithmetic.of(policy, stab), "iii")
+            if _leans(plain):
+                flags[c.label()] = not _leans(fixed) and not fixed.bad_rows
+                notes.append(f"{c.label()}: none O {plain.o_vs_floor.cell()} -> {fixed.stabilizer} O "
+                             f"{fixed.o_vs_floor.cell()}, delta {fixed.delta_vs_floor.cell(1e-6)}"
+                             + (f", {fixed.bad_rows} bad rows" if fixed.bad_rows else ""))
+        verdicts[key] = verdict_over(flags)
+        details[key] = notes or ["no condition leans without the fix: nothing to remove"]
 
-    # (iv) the worked example: the exact sum -4.703990459442139 rounds to -4.71875 in bf16;
-    # evaluated in the format the policy stores the PV sum in
+    # (iv) the worked example, in the format the policy stores the PV sum in
     fmt = get_policy(policy).pv
     x = torch.tensor([-4.703990459442139], dtype=torch.float64)
     r = round_to(x, fmt).item()
@@ -112,50 +167,53 @@ def run_lab(quick: bool = False, policy: str = "paper", seed: int = 0, progress=
     details["iv_worked_example"] = [f"-4.703990459442139 rounds to {r!r} in {fmt} (study: -4.71875 in bf16; "
                                     f"error {r - x.item():+.6f})"]
 
-    # open question: bias by format (production structure), with and without safe
-    say("formats")
-    fmt_table = []
-    for c in [lab.cond(ties=k, gap=8.0) for k in (1, 2, 4)]:
-        for pol in FORMAT_POLICIES:
-            for stab in ("none", "safe"):
-                m = lab.run(c, pol, stab, "formats")
-                fmt_table.append(m)
+    # every shipped arithmetic: is it biased under ties, and what removes it
+    say("arithmetics and fixes")
+    answers = {}
+    all_conds = tied + conds["others"] + conds["no_ties"]
+    for pol in FORMAT_POLICIES:
+        say(f"  {pol}")
+        plain = {c: cell(c, Arithmetic.of(pol), "fixes") for c in all_conds}
+        biased = [c.label() for c in tied + conds["others"] if _leans(plain[c])]
+        removed_by, failures = [], {}
+        for cand in fix_candidates(pol):
+            reasons = []
+            for c in all_conds:
+                ok, why = judge_fix(plain[c], cell(c, cand, "fixes"))
+                if not ok:
+                    reasons.append(f"{c.label()}: {why}")
+            if reasons:
+                failures[cand.label()] = reasons
+            else:
+                removed_by.append(cand.label())
+        if biased:
+            line = (f"biased under ties: yes ({len(biased)} of {len(tied) + len(conds['others'])} conditions); "
+                    f"removed by: {', '.join(removed_by) if removed_by else 'nothing the lab tried'}")
+        else:
+            line = ("biased under ties: no; nothing to fix (no stabilizer needed); harmless candidates: "
+                    + (", ".join(removed_by) if removed_by else "none"))
+        answers[pol] = {"line": line, "biased_conditions": biased, "removed_by": removed_by, "failures": failures}
 
-    # open question: which stabilizer removes it where (reference vs production arithmetic)
-    say("stabilizers")
-    stab_conds = [lab.cond(ties=k, gap=g) for k in (1, 2, 4, 8) for g in ((4.0, 8.0) if quick else (2.0, 4.0, 8.0, 12.0))]
-    stab_conds += [lab.cond(ties=2, gap=8.0, max_logit=x) for x in logit_sizes if x != 1.0]
-    stab_conds += [lab.cond(ties=2, gap=8.0, sink=True), lab.cond(ties=2, gap=8.0, max_spread=2.0),
-                   lab.cond(ties=4, gap=8.0, max_spread=2.0)]
-    for pol in ("paper", "fa2"):
-        for c in stab_conds:
-            for stab in STABILIZER_SET:
-                lab.run(c, pol, stab, "stabilizers")
+    # where the bias enters: raise one component at a time to fp32
+    say("decomposition")
+    decomp_conds = [c for c in tied if c.ties in (2, 8)][:4]
+    for pol in ("paper", "fa2-e4m3"):
+        for c in decomp_conds:
+            cell(c, Arithmetic.of(pol), "decomposition")
+            for changes in DECOMPOSITION.values():
+                base = get_policy(pol)
+                if all(getattr(base, f) == v or str(getattr(base, f)) == v for f, v in changes.items()):
+                    continue  # already so in this arithmetic
+                cell(c, Arithmetic.of(base.replace(**changes)), "decomposition")
 
-    # criterion for safe: within noise wherever paper beta=2 is, and no bias where none had none
-    crit_flags, crit_notes = [], []
-    for pol in ("paper", "fa2"):
-        for c in stab_conds:
-            none_, p2, safe = (lab._cache[(c, pol, s)] for s in ("none", "paper", "safe"))
-            ok = True
-            if not p2.o.biased and safe.o.biased:
-                ok = False
-                crit_notes.append(f"{pol} {c.label()}: paper beta=2 {p2.o.verdict}, safe {safe.o.verdict} "
-                                  f"({safe.o.bias_ratio:+.2f})")
-            if not none_.o.biased and safe.o.biased:
-                ok = False
-                crit_notes.append(f"{pol} {c.label()}: none unbiased, safe {safe.o.verdict} ({safe.o.bias_ratio:+.2f})")
-            crit_flags.append(ok)
-    verdicts["safe_criterion"] = _verdict(crit_flags)
-    details["safe_criterion"] = crit_notes or ["safe is unbiased wherever paper beta=2 or no stabilizer is"]
-
-    # open question: FlashAttention PR #2721 - l sums the unrounded Pbar, the numerator the rounded
+    # FlashAttention PR #2721: l from the unrounded Pbar vs from the rounded one
     say("PR #2721")
-    pr_rows = []
-    for c in [lab.cond(ties=1, gap=2.0, v_mean=1.0, v_sd=0.0, do_corr=0.0),
-              lab.cond(ties=1, gap=2.0, v_mean=-1.0, v_sd=0.5)]:
+    base = Problem(n_rows=n, seed=seed)
+    for c in (replace(base, ties=1, tail=4.0, v_mean=1.0, v_sd=0.0, do_mean=0.5), replace(base, ties=1, tail=4.0)):
         for pol in ("fa2", "fa2[row_sum_rounded=true]", "fa2-e4m3", "fa2-e4m3[row_sum_rounded=true]"):
-            pr_rows.append(lab.run(c, pol, "none", "pr2721"))
+            cell(c, Arithmetic.of(pol), "pr2721")
 
-    return {"quick": quick, "policy": policy, "seed": seed, "runtime_s": time.perf_counter() - t0,
-            "versions": {"torch": torch.__version__}, "rows": lab.rows, "verdicts": verdicts, "details": details}
+    return {"quick": quick, "policy": policy, "seed": seed, "n_rows": n, "runtime_s": time.perf_counter() - t0,
+            "versions": {"torch": torch.__version__}, "unit_note": "one value per independent row "
+            "(per instance for sink problems); leans judged against the fp32 floor, paired",
+            "rows": rows, "verdicts": verdicts, "details": details, "answers": answers}

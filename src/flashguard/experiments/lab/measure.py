@@ -1,78 +1,110 @@
-"""Run one lab problem through a precision policy and a stabilizer, against fp64."""
+"""One lab cell: a problem through an arithmetic, against fp64 and against the noise floor.
+
+The numbers come from ``attention.trace`` (the one measurement) and ``attention.error_stats``
+(one value per independent unit, the problem's ``unit``). Each arithmetic is judged next to
+its noise floor, ``floor_arithmetic(policy)`` (every intermediate fp32, the same input and
+output formats) on the same problems: ``o_vs_floor`` and ``delta_vs_floor`` are the paired
+leans of the arithmetic's unit errors beyond the floor's.
+"""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from ...attention import flash_forward, get_stabilizer, reference_attention
-from ...attention.flash import delta_preprocess
-from ...numerics import get_policy
-from ...numerics.arith import cast, rounding, rowsum
-from .problems import Problem, make_problem
-from .stats import ErrorStats, error_stats
+from ...attention.error_stats import BiasStats, bias_stats, paired_bias, unit_means
+from ...attention.trace import Arithmetic, Trace, floor_arithmetic, trace
+from .problems import Problem, half_ulp_bf16, make_problem, tail_mass
 
-__all__ = ["Measurement", "measure"]
+__all__ = ["Measurement", "Bench"]
 
 
 @dataclass
 class Measurement:
     problem: Problem
-    policy: str
+    arithmetic: str          # Arithmetic.label()
+    policy: str              # policy.short_str()
     stabilizer: str
-    o: ErrorStats          # O_lp - O_exact, per element
-    delta: ErrorStats      # delta_lp - delta_exact, per row
-    pbar_one: float        # fraction of Pbar entries exactly 1
-    rows_with_two_ones: float  # fraction of rows where >= 2 Pbar are exactly 1 (the tie mechanism)
-    # where the O error comes from (single key tile): the rounding of the PV sum against the
-    # exact sum of the same rounded Pbar times V, and the rounding of the row sum l likewise
-    pv_err: ErrorStats | None = None
-    l_err: ErrorStats | None = None
+    o: BiasStats             # O error, one value per unit (absolute, against fp64)
+    delta: BiasStats         # delta error likewise
+    o_vs_floor: BiasStats    # paired: O unit error minus the floor's
+    delta_vs_floor: BiasStats
+    o_floor: BiasStats       # the floor's own O lean (its output rounding)
+    o_mae: float             # mean |O error| over elements (accuracy)
+    o_mae_floor: float
+    bad_rows: int            # rows with a non-finite O, or O zeroed where the exact O is not
+    tie_rate: float          # (row, key tile) pairs tied under the stabilizer's own rule
+    multi_one: float         # rows with a tile of >= 2 Pbar == 1
+    tail_half_ulps: float    # the problems' median tail mass in half-ulps of ties (bf16)
+
+    @property
+    def condition(self) -> str:
+        return self.problem.label()
 
     def to_dict(self) -> dict:
-        return {"condition": self.problem.label(), "problem": self.problem.to_dict(), "policy": self.policy,
-                "stabilizer": self.stabilizer, "o": self.o.to_dict(), "delta": self.delta.to_dict(),
-                "pbar_one": self.pbar_one, "rows_with_two_ones": self.rows_with_two_ones,
-                "pv_err": self.pv_err.to_dict() if self.pv_err else None,
-                "l_err": self.l_err.to_dict() if self.l_err else None}
+        d = {"condition": self.condition, "problem": self.problem.to_dict(), "arithmetic": self.arithmetic,
+             "policy": self.policy, "stabilizer": self.stabilizer}
+        for name in ("o", "delta", "o_vs_floor", "delta_vs_floor", "o_floor"):
+            d[name] = getattr(self, name).to_dict()
+        d.update(o_mae=self.o_mae, o_mae_floor=self.o_mae_floor, bad_rows=self.bad_rows, tie_rate=self.tie_rate,
+                 multi_one=self.multi_one, tail_half_ulps=self.tail_half_ulps)
+        return d
 
 
-def measure(problem: Problem, precision="paper", stabilizer="none", block_k: int = 512) -> Measurement:
-    policy = get_policy(precision)
-    stab = get_stabilizer(stabilizer)
-    q, k, v, do = make_problem(problem)
-    qc, kc, vc, doc = (cast(x, policy.inputs) for x in (q, k, v, do))
-    counts = torch.zeros(3, dtype=torch.float64)  # ones, entries, rows with >= 2 ones
+def _bad_rows(t: Trace) -> int:
+    nonfinite = ~torch.isfinite(t.o).all(-1)
+    zeroed = (t.o == 0).all(-1) & (t.o_ref != 0).any(-1)
+    return int((nonfinite | zeroed).sum())
 
-    seen = []
 
-    def observe(tile, pbar, pv, **_):
-        seen.append((pbar, pv))
-        ones = pbar == 1
-        counts[0] += ones.sum()
-        counts[1] += ones.numel()
-        counts[2] += (ones.sum(-1) >= 2).sum()
+class Bench:
+    """Problems, their floors and their measurements, each computed once per run."""
 
-    torch.manual_seed(problem.seed)  # stochastic rounding, if the policy asks for it
-    with torch.no_grad(), rounding(policy.rounding):
-        o, lse, o_hp = flash_forward(qc, kc, vc, keep=None, bias=None, causal=False, scale=1 / math.sqrt(problem.d),
-                                   policy=policy, stabilizer=stab, block_q=512, block_k=block_k,
-                                   keep_highp_o=policy.delta_source == "o_highp", observe=observe)
-        delta_lp = delta_preprocess(qc, kc, vc, o, lse, doc, o_hp, keep=None, bias=None, causal=False,
-                                    scale=1 / math.sqrt(problem.d), policy=policy, block_q=512, block_k=block_k)
-    exact = reference_attention(qc.double(), kc.double(), vc.double())
-    delta_hp = (doc.double() * exact).sum(-1, keepdim=True)
-    rows = counts[1] / max(problem.t, 1)
-    pv_err = l_err = None
-    if len(seen) == 1:  # one key tile: the tile's PV and row sum are the whole row's
-        pbar, pv = seen[0]
-        pv_err = error_stats(pv.double() - pbar.double() @ vc.double())
-        if policy.row_sum_rounded:
-            l_lp = rowsum(pbar, policy.stats)
-            if policy.row_sum_floor is not None:
-                l_lp = l_lp.clamp(min=policy.row_sum_floor)
-            l_err = error_stats(l_lp.double() - pbar.double().sum(-1, keepdim=True))
-    return Measurement(problem, policy.short_str(), str(stab), error_stats(o.double() - exact),
-                       error_stats(delta_lp.double() - delta_hp), float(counts[0] / counts[1]),
-                       float(counts[2] / rows) if rows else 0.0, pv_err, l_err)
+    def __init__(self):
+        self._inputs: dict = {}
+        self._floors: dict = {}
+        self._cells: dict = {}
+
+    def inputs(self, p: Problem):
+        if p not in self._inputs:
+            self._inputs[p] = make_problem(p)
+        return self._inputs[p]
+
+    def _trace(self, p: Problem, a: Arithmetic) -> Trace:
+        q, k, v, do = self.inputs(p)
+        torch.manual_seed(p.seed)  # stochastic rounding, if the policy asks for it
+        return trace(q, k, v, do, a, grads=False)
+
+    def _floor(self, p: Problem, a: Arithmetic):
+        fa = floor_arithmetic(a.policy)
+        key = (p, fa.policy)
+        if key not in self._floors:
+            t = self._trace(p, fa)
+            self._floors[key] = (unit_means(t.o_err, p.unit), unit_means(t.delta_err, p.unit, feature_dim=False),
+                                 float(t.o_err.abs().mean()))
+        return self._floors[key]
+
+    def measure(self, p: Problem, a: "Arithmetic | str") -> Measurement:
+        if isinstance(a, str):
+            a = Arithmetic.of(a)
+        key = (p, a)
+        if key in self._cells:
+            return self._cells[key]
+        t = self._trace(p, a)
+        o_u = unit_means(t.o_err, p.unit)
+        d_u = unit_means(t.delta_err, p.unit, feature_dim=False)
+        fo, fd, f_mae = self._floor(p, a)
+        ties = t.ties
+        tile_pairs = float(ties.tiles.sum())
+        q, k, _, _ = t.inputs
+        tails = tail_mass(q, k) / half_ulp_bf16(p.ties)
+        m = Measurement(
+            problem=p, arithmetic=a.label(), policy=a.policy.short_str(), stabilizer=str(a.stabilizer),
+            o=bias_stats(o_u, p.unit), delta=bias_stats(d_u, p.unit), o_vs_floor=paired_bias(o_u, fo, p.unit),
+            delta_vs_floor=paired_bias(d_u, fd, p.unit), o_floor=bias_stats(fo, p.unit),
+            o_mae=float(t.o_err.abs().mean()), o_mae_floor=f_mae, bad_rows=_bad_rows(t),
+            tie_rate=float(ties.tied.sum()) / tile_pairs if tile_pairs else 0.0,
+            multi_one=float((ties.multi_one > 0).double().mean()),
+            tail_half_ulps=float(tails.median()))
+        self._cells[key] = m
+        return m

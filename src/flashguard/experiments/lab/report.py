@@ -4,24 +4,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ...attention.error_stats import BIAS_RATIO_MIN, Z_CRIT
 from ...utils.atomic import atomic_output, atomic_write_text
+from .experiments import DECOMPOSITION, FORMAT_POLICIES
 
-__all__ = ["write_lab", "TITLES"]
+__all__ = ["write_lab", "render_markdown", "TITLES"]
 
 TITLES = {
-    "i_tie_bias": "(i) tied maxima + mostly negative V: O biased negative, delta error positive",
-    "ii_no_ties_no_bias": "(ii) without ties the bias vanishes",
-    "iii_paper_fix_beta2": "(iii) the paper's stabilizer (beta = 2) removes the bias",
-    "iii_paper_fix_beta7": "(iii) the paper's stabilizer (beta = 7) removes the bias",
+    "i_tie_bias": "(i) tied maxima + mostly negative V: O leans negative, delta positive (beyond the fp32 floor)",
+    "ii_no_ties_no_bias": "(ii) without ties there is no lean",
+    "iii_paper_fix_beta2": "(iii) the study's fix (beta = 2) removes the lean",
+    "iii_paper_fix_beta7": "(iii) the study's fix (beta = 7) removes the lean",
     "iv_worked_example": "(iv) -4.703990459442139 rounds to -4.71875 in bf16",
-    "safe_criterion": "safe: unbiased wherever paper beta=2 is, and no new bias",
 }
 
 
-def _cell(row: dict, part: str = "o") -> str:
+def _vs(row: dict, part: str = "o_vs_floor") -> str:
     s = row[part]
-    mark = {"biased +": "**+**", "biased -": "**-**", "no bias": ""}[s["verdict"]]
-    return f"{s['bias_ratio']:+.2f}±{s['ratio_ci95']:.2f}{mark}"
+    mark = "**" if s["verdict"].startswith("biased") else ""
+    return f"{mark}{s['mean'] * 1e6:+.0f}{mark} ({s['z']:+.1f})"
 
 
 def _table(header: list[str], lines: list[list[str]]) -> str:
@@ -30,54 +31,67 @@ def _table(header: list[str], lines: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def _pivot(rows, experiment, policies, stabilizers):
-    """condition -> {(policy, stabilizer): row} for one experiment."""
-    table: dict[str, dict] = {}
-    for r in rows:
-        if r["experiment"] == experiment and r["policy"] in policies and r["stabilizer"] in stabilizers:
-            table.setdefault(r["condition"], {})[(r["policy"], r["stabilizer"])] = r
-    return table
+def _grid(rows: list[dict], experiment: str, arithmetics: list[str], part: str, floor_row: bool = True) -> str:
+    """conditions as columns, arithmetics as rows; cells: mean unit error beyond the floor (z)."""
+    sel = [r for r in rows if r["experiment"] == experiment]
+    conds = list(dict.fromkeys(r["condition"] for r in sel))
+    by = {(r["arithmetic"], r["condition"]): r for r in sel}
+    lines = []
+    if floor_row and arithmetics:
+        first = arithmetics[0]
+        lines.append(["floor (fp32, same output rounding): its own lean"] +
+                     [_vs(by[(first, c)], "o_floor") if (first, c) in by else "" for c in conds])
+    for a in arithmetics:
+        cells = [_vs(by[(a, c)], part) if (a, c) in by else "" for c in conds]
+        if any(cells):
+            maes = [by[(a, c)]["o_mae"] / by[(a, c)]["o_mae_floor"] for c in conds if (a, c) in by]
+            bad = sum(by[(a, c)]["bad_rows"] for c in conds if (a, c) in by)
+            lines.append([f"`{a}`"] + cells + [f"{max(maes):.2f}x" + (f", {bad} bad rows" if bad else "")])
+    return _table(["arithmetic"] + conds + ["worst mean abs O error / floor's"], lines)
 
 
 def render_markdown(result: dict) -> str:
     rows = result["rows"]
     md = [f"# Rounding-bias lab ({'quick' if result['quick'] else 'full'})", "",
-          f"Facts tested in the `{result['policy']}` arithmetic; seed {result['seed']}; torch "
+          f"Facts (i)-(iii) tested in the `{result['policy']}` arithmetic; seed {result['seed']}; torch "
           f"{result['versions']['torch']}; {result['runtime_s']:.0f} s.", "",
-          "Cells are the bias ratio mean(err) / mean(|err|) of O (0: unbiased, +-1: every error one sign)",
-          "with its 95% CI over instances; **+** / **-** marks a significant bias (sign test p < 0.01,",
-          "|ratio| >= 0.05, CI of the mean excluding 0, mean |error| above 1e-9).", "", "## Verdicts", ""]
-    md.append(_table(["experiment", "verdict", "evidence"],
+          "Problems: every row its own query, maximum and tail (`experiments/lab/problems.py`); k = tied keys",
+          "per row, T = keys (512-tiles), tail = the row's tail mass in half-ulps of k in bf16 (below 1, a",
+          "bf16 row sum rounds the tail away), v = V's mean and sd. **Unit: one value per independent row**",
+          "(the error averaged over the row's features; per instance for the sink problem).",
+          "", "Cells: the mean unit error of O beyond the noise floor, in units of 1e-6, and its z (paired:",
+          "the floor is the `fp32` arithmetic with the same input and output formats on the same problems).",
+          f"**Bold**: a lean (|z| >= {Z_CRIT:.2f}, two-sided p < 0.001, and |bias ratio| >= {BIAS_RATIO_MIN}).",
+          "The first row of each table is the floor's own lean against fp64 (its bf16 output rounding):",
+          "a lean no attention arithmetic with a bf16 output can remove.", "",
+          "## Answers per arithmetic", ""]
+    md += [f"* `{pol}`: {a['line']}" for pol, a in result["answers"].items()]
+    md += ["", "## Verdicts", ""]
+    md.append(_table(["fact", "verdict", "evidence"],
                      [[TITLES.get(k, k), f"**{v}**", "<br>".join(result["details"][k])]
                       for k, v in result["verdicts"].items()]))
-    stabs = ["none", "paper(beta=2,tol=0.001)", "paper(beta=7,tol=0.001)", "safe"]
-    for pol in ("paper", "fa2"):
-        piv = _pivot(rows, "stabilizers", {pol}, set(stabs))
-        md += ["", f"## Which stabilizer removes it where: `{pol}` arithmetic", ""]
-        md.append(_table(["condition", "none", "paper beta=2", "paper beta=7", "safe"],
-                         [[c] + [_cell(cells[(pol, s)]) if (pol, s) in cells else "" for s in stabs]
-                          for c, cells in piv.items()]))
-    src = [r for r in rows if r["experiment"] == "stabilizers" and r["policy"] == "paper" and r.get("l_err")]
-    if src:
-        md += ["", "## Where the bias comes from in the reference arithmetic", "",
-               "Bias ratio of the rounding of the PV sum (against the exact sum of the same rounded Pbar",
-               "times V) and of the bf16 row sum l (against the exact sum of the same Pbar), next to O's.", ""]
-        md.append(_table(["condition", "stabilizer", "PV sum", "row sum l", "O"],
-                         [[r["condition"], r["stabilizer"], _cell(r, "pv_err"), _cell(r, "l_err"), _cell(r)]
-                          for r in src]))
-    fmt_rows = [r for r in rows if r["experiment"] == "formats"]
-    policies = list(dict.fromkeys(r["policy"] for r in fmt_rows))
-    piv = _pivot(rows, "formats", set(policies), {"none", "safe"})
-    md += ["", "## Is there a bias in production arithmetic, fp16, fp8? (no stabilizer / safe)", ""]
-    md.append(_table(["condition"] + [f"{p} none / safe" for p in policies],
-                     [[c] + [f"{_cell(cells[(p, 'none')])} / {_cell(cells[(p, 'safe')])}" for p in policies]
-                      for c, cells in piv.items()]))
+    for pol in FORMAT_POLICIES:
+        arith = list(dict.fromkeys(r["arithmetic"] for r in rows if r["experiment"] == "fixes"
+                                   and r["policy"].split("[")[0] in (pol, "paper-fp32fwd" if pol == "paper" else pol)))
+        md += ["", f"## `{pol}`: O beyond the floor, with each fix", ""]
+        md.append(_grid(rows, "fixes", arith, "o_vs_floor"))
+        md += ["", f"delta = rowsum(dO * O) beyond the floor (1e-6, z):", ""]
+        md.append(_grid(rows, "fixes", arith, "delta_vs_floor", floor_row=False))
+        fails = result["answers"][pol]["failures"]
+        if fails:
+            md += ["", "Why the other candidates fail (first reason each):", ""]
+            md += [f"* `{a}`: {reasons[0]}" + (f" (and {len(reasons) - 1} more conditions)" if len(reasons) > 1 else "")
+                   for a, reasons in fails.items()]
+    md += ["", "## Where the bias enters: one component raised to fp32 at a time", "",
+           "Components: " + "; ".join(f"{k} = `{v}`" for k, v in DECOMPOSITION.items()) + ".", ""]
+    arith = list(dict.fromkeys(r["arithmetic"] for r in rows if r["experiment"] == "decomposition"))
+    md.append(_grid(rows, "decomposition", arith, "o_vs_floor"))
     pr = [r for r in rows if r["experiment"] == "pr2721"]
-    md += ["", "## FlashAttention PR #2721: l from unrounded Pbar vs from the rounded Pbar", "",
-           "`row_sum_rounded=true` is the fix (l sums the Pbar the numerator uses).", ""]
-    md.append(_table(["condition", "policy", "O bias ratio", "mean O error", "delta bias ratio"],
-                     [[r["condition"], r["policy"], _cell(r), f"{r['o']['mean']:+.2e}", _cell(r, "delta")] for r in pr]))
-    md += ["", "Figures: `bias_vs_k.png`, `bias_vs_format.png`, `bias_vs_stabilizer.png`.", ""]
+    md += ["", "## FlashAttention PR #2721: l from the unrounded Pbar vs from the rounded one", "",
+           "`row_sum_rounded=true` is the PR's fix (l sums the Pbar the numerator uses). No ties (k = 1).", ""]
+    md.append(_table(["condition", "arithmetic", "O beyond floor", "O against fp64", "mean abs O error"],
+                     [[r["condition"], f"`{r['arithmetic']}`", _vs(r), _vs(r, "o"), f"{r['o_mae']:.2e}"] for r in pr]))
+    md += ["", "Figures: `bias_vs_k.png`, `bias_vs_format.png`.", ""]
     return "\n".join(md)
 
 
@@ -86,7 +100,7 @@ def _figures(result: dict, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = result["rows"]
+    rows = [r for r in result["rows"] if r["experiment"] == "fixes"]
     paths = []
 
     def save(fig, name):
@@ -96,53 +110,47 @@ def _figures(result: dict, out: Path) -> list[Path]:
         plt.close(fig)
         paths.append(path)
 
-    # bias against k (gap 8, max 1), per arithmetic and stabilizer
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    def z_of(pol_arith, cond_filter):
+        pts = sorted((r["problem"]["ties"], r["o_vs_floor"]["z"]) for r in rows
+                     if r["arithmetic"] == pol_arith and cond_filter(r["problem"]))
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    small_tail = lambda p: p["tail"] == 0.25 and not p["sink"] and not p["offset"] and p["v_mean"] < 0  # noqa: E731
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=False)
     for ax, pol in zip(axes, ("paper", "fa2")):
-        for stab in ("none", "paper(beta=2,tol=0.001)", "safe"):
-            pts = sorted((r["problem"]["ties"], r["o"]["bias_ratio"], r["o"]["ratio_ci95"]) for r in rows
-                         if r["experiment"] == "stabilizers" and r["policy"] == pol and r["stabilizer"] == stab
-                         and r["problem"]["gap"] == 8.0 and r["problem"]["max_logit"] == 1.0 and not r["problem"]["sink"])
-            if pts:
-                ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
-                            capsize=3, label=stab.split("(")[0])
-        ax.axhline(0, color="k", lw=0.6)
-        ax.set_title(f"{pol} arithmetic (gap 8)")
+        labels = [a for a in dict.fromkeys(r["arithmetic"] for r in rows)
+                  if a.split(" /")[0].split("[")[0] in ((pol, "paper-fp32fwd") if pol == "paper" else (pol,))
+                  and "beta=7" not in a]
+        for a in labels:
+            xs, ys = z_of(a, small_tail)
+            if xs:
+                ax.plot(xs, ys, marker="o", label=a)
+        for y in (Z_CRIT, -Z_CRIT):
+            ax.axhline(y, color="grey", lw=0.6, ls="--")
+        ax.set_title(f"{pol} arithmetic (tail 0.25 half-ulps)")
         ax.set_xlabel("tied maxima k")
         ax.set_xscale("log", base=2)
-    axes[0].set_ylabel("O bias ratio")
-    axes[0].legend()
+        ax.set_ylabel("z of O's lean beyond the floor")
+        ax.legend(fontsize=7)
     save(fig, "bias_vs_k.png")
 
-    # bias against format
-    fr = [r for r in rows if r["experiment"] == "formats" and r["problem"]["ties"] == 2]
-    pols = list(dict.fromkeys(r["policy"] for r in fr))
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    for i, stab in enumerate(("none", "safe")):
-        vals = [next((r["o"]["bias_ratio"] for r in fr if r["policy"] == p and r["stabilizer"] == stab), 0) for p in pols]
-        ax.bar([j + 0.4 * i for j in range(len(pols))], vals, width=0.4, label=stab)
-    ax.set_xticks([j + 0.2 for j in range(len(pols))], pols)
-    ax.axhline(0, color="k", lw=0.6)
-    ax.set_ylabel("O bias ratio (k = 2, gap 8)")
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    pk = lambda p: p["ties"] == 8 and small_tail(p)  # noqa: E731
+    for i, (name, pick) in enumerate((("no fix", lambda pol: f"{pol} / none"),
+                                      ("recommended", lambda pol: (result["answers"][pol]["removed_by"] or [None])[0]))):
+        vals = []
+        for pol in FORMAT_POLICIES:
+            a = pick(pol)
+            v = [r["o_vs_floor"]["z"] for r in rows if a and r["arithmetic"] == a and pk(r["problem"])]
+            vals.append(v[0] if v else 0.0)
+        ax.bar([j + 0.4 * i for j in range(len(FORMAT_POLICIES))], vals, width=0.4, label=name)
+    ax.set_xticks([j + 0.2 for j in range(len(FORMAT_POLICIES))], FORMAT_POLICIES)
+    for y in (Z_CRIT, -Z_CRIT):
+        ax.axhline(y, color="grey", lw=0.6, ls="--")
+    ax.set_ylabel("z of O's lean beyond the floor (k = 8)")
+    ax.set_yscale("symlog", linthresh=5)
     ax.legend()
     save(fig, "bias_vs_format.png")
-
-    # bias against stabilizer, per arithmetic, k = 4, gap 8
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    stabs = ["none", "paper(beta=2,tol=0.001)", "paper(beta=7,tol=0.001)", "safe"]
-    for i, pol in enumerate(("paper", "fa2")):
-        vals = []
-        for s in stabs:
-            v = [r["o"]["bias_ratio"] for r in rows if r["experiment"] == "stabilizers" and r["policy"] == pol
-                 and r["stabilizer"] == s and r["problem"]["ties"] == 4 and r["problem"]["gap"] == 8.0
-                 and r["problem"]["max_logit"] == 1.0 and not r["problem"]["sink"]]
-            vals.append(v[0] if v else 0)
-        ax.bar([j + 0.4 * i for j in range(len(stabs))], vals, width=0.4, label=f"{pol} arithmetic")
-    ax.set_xticks([j + 0.2 for j in range(len(stabs))], ["none", "paper b=2", "paper b=7", "safe"])
-    ax.axhline(0, color="k", lw=0.6)
-    ax.set_ylabel("O bias ratio (k = 4, gap 8)")
-    ax.legend()
-    save(fig, "bias_vs_stabilizer.png")
     return paths
 
 
