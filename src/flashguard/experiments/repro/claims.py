@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 
 from ...diagnostics.monitor import read_metrics
-from ..lab.stats import P_MAX, sign_test_p
+from ...attention.error_stats import sign_test_p
 
 __all__ = ["CLAIMS", "judge_claims"]
 
@@ -29,6 +29,7 @@ CLAIMS = {
     "C8": "The fix works: the study's fix (and flashguard's safe) train on where the paper run diverges",
 }
 MIN_PROBES = 8
+P_MAX = 0.01   # sign-test p-value below which a lean across probes counts (C5, C6)
 
 
 def _div(summaries: dict, name: str):
