@@ -1,0 +1,122 @@
+"""The one measurement primitive against independent computations: the fp64 reference with
+autograd, flash_attention itself, awkward sizes and masks, ties counted through each
+stabilizer's own rule, black-box callables."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashguard.attention import flash_attention, reference_attention
+from flashguard.attention.trace import Arithmetic, floor_arithmetic, trace
+from flashguard.numerics import get_policy
+
+
+def _inputs(b, h, tq, tk, d, seed=0, dv=None, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(b, h, tq, d), (b, h, tk, d), (b, h, tk, dv or d), (b, h, tq, dv or d)]
+    return tuple(torch.randn(*s, generator=g).to(dtype) for s in shapes)
+
+
+@pytest.mark.parametrize("size,causal", [((2, 2, 97, 97, 59), True), ((1, 3, 97, 200, 32), False),
+                                         ((1, 2, 200, 97, 32), True), ((2, 1, 1, 1, 8), False)])
+def test_fp64_arithmetic_has_no_error(size, causal):
+    b, h, tq, tk, d = size
+    # fp64 inputs: the gradients come back in the inputs' dtype, as training receives them
+    q, k, v, do = _inputs(b, h, tq, tk, d, seed=tq, dtype=torch.float64)
+    t = trace(q, k, v, do, Arithmetic.of("fp64", block_q=64, block_k=48), causal=causal)
+    for name in ("o_err", "lse_err", "delta_err", "dq_err", "dk_err", "dv_err"):
+        err = getattr(t, name)
+        assert err is not None and err.abs().max() < 1e-10, name
+
+
+def test_errors_are_those_of_flash_attention_against_autograd_fp64():
+    q, k, v, do = _inputs(2, 2, 130, 97, 40, seed=3)
+    a = Arithmetic.of("paper", "safe", block_q=64, block_k=32)
+    t = trace(q, k, v, do, a, causal=True)
+    # independently: the public attention's output and gradients, and the fp64 reference with autograd
+    leaves = [x.bfloat16().requires_grad_() for x in (q, k, v)]
+    o = flash_attention(*leaves, is_causal=True, precision="paper", stabilizer="safe", block_q=64, block_k=32)
+    o.backward(do.bfloat16())
+    ref_leaves = [x.bfloat16().double().requires_grad_() for x in (q, k, v)]
+    o_ref = reference_attention(*ref_leaves, is_causal=True)
+    o_ref.backward(do.bfloat16().double())
+    assert torch.equal(t.o, o.detach().double())
+    assert torch.allclose(t.o_ref, o_ref.detach(), rtol=0, atol=1e-12)
+    for got, leaf, ref in zip((t.dq, t.dk, t.dv), leaves, ref_leaves):
+        assert torch.equal(got, leaf.grad.double())
+    for got, ref in zip((t.dq_ref, t.dk_ref, t.dv_ref), ref_leaves):
+        assert torch.allclose(got, ref.grad, rtol=0, atol=1e-10)
+    delta_ref = (do.bfloat16().double() * o_ref.detach()).sum(-1)
+    assert torch.allclose(t.delta_ref, delta_ref, atol=1e-12)
+    assert t.delta_source == "o_lowp"
+
+
+def test_masks_and_fully_masked_rows():
+    q, k, v, do = _inputs(1, 2, 33, 40, 16, seed=5)
+    keep = torch.rand(1, 1, 33, 40, generator=torch.Generator().manual_seed(1)) > 0.3
+    keep[..., 4, :] = False  # a fully masked row
+    t = trace(q, k, v, do, Arithmetic.of("fp32", block_q=16, block_k=16), attn_mask=keep)
+    assert torch.isfinite(t.o_err).all() and t.o_err.abs().max() < 1e-5
+    assert (t.o[..., 4, :] == 0).all() and (t.o_ref[..., 4, :] == 0).all()
+    assert (t.ties.tiles[..., 4] == 0).all()  # nothing visible: no tile counted for that row
+    bias = torch.randn(1, 2, 33, 40, generator=torch.Generator().manual_seed(2))
+    t2 = trace(q, k, v, do, Arithmetic.of("fp32", block_q=16, block_k=16), attn_mask=bias)
+    assert t2.o_err.abs().max() < 1e-5 and t2.dq_err.abs().max() < 1e-4
+
+
+def _planted_ties(k_tied: int, t: int = 64, d: int = 16):
+    """One head, 4 rows; row i's maximum is shared by k_tied identical keys, the rest far below."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 4, d, generator=g)
+    keys = 0.05 * torch.randn(1, 1, t, d, generator=g)
+    for i in range(4):
+        keys[0, 0, i * k_tied:(i + 1) * k_tied] = 3.0 * q[0, 0, i] / q[0, 0, i].norm()
+    v = torch.randn(1, 1, t, d, generator=g)
+    return q, keys, v, torch.randn(1, 1, 4, d, generator=g)
+
+
+def test_ties_through_each_stabilizers_rule():
+    q, k, v, do = _planted_ties(3)
+    none = trace(q, k, v, do, Arithmetic.of("paper", "none"), grads=False)
+    assert none.ties.tiles.tolist() == [[[1.0] * 4]]
+    assert none.ties.tied.tolist() == [[[1.0] * 4]]          # an exact repeated maximum
+    assert none.ties.multi_one.tolist() == [[[1.0] * 4]]     # three Pbar == 1 in each row
+    assert (none.ties.pbar_one == 3).all()
+    safe = trace(q, k, v, do, Arithmetic.of("paper", "safe"), grads=False)
+    assert (safe.ties.tied == 1).all() and (safe.ties.pbar_one == 0).all()  # shifted: no Pbar is 1
+    single = trace(*_planted_ties(1), Arithmetic.of("paper", "none"), grads=False)
+    assert (single.ties.tied == 0).all() and (single.ties.multi_one == 0).all()
+    # the study's rule counts near-ties within tol; a huge tol sees every row as tied
+    wide = trace(*_planted_ties(1), Arithmetic.of("paper", "paper:tol=100"), grads=False)
+    assert (wide.ties.tied == 1).all()
+
+
+def test_black_box_callable_and_floor():
+    q, k, v, do = _inputs(1, 2, 50, 50, 32, seed=7, dtype=torch.bfloat16)
+
+    def sdpa_math(q_, k_, v_):
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q_, k_, v_, is_causal=True)
+
+    t = trace(q, k, v, do, sdpa_math, causal=True)
+    assert t.ties is None and t.lse is None and t.delta_source == "o_lowp"
+    assert t.label == "sdpa_math"
+    assert 0 < t.o_err.abs().max() < 0.05 and t.dq_err.abs().max() < 0.1
+    fl = floor_arithmetic("fa2-e4m3")
+    assert str(fl.policy.inputs) == str(get_policy("fa2-e4m3").inputs) and str(fl.policy.output) == "bf16"
+    assert str(fl.policy.pv) == "fp32" and str(fl.policy.stats) == "fp32"
+
+
+def test_bad_arguments_are_named():
+    q, k, v, do = _inputs(1, 1, 8, 8, 4)
+    with pytest.raises(ValueError, match="do must have shape"):
+        trace(q, k, v, do[..., :3], "fa2")
+    with pytest.raises(ValueError, match="q must be"):
+        trace(q[0], k, v, None, "fa2")
+    with pytest.raises(TypeError, match="arithmetic must be"):
+        trace(q, k, v, do, 3)
+    with pytest.raises(ValueError, match="backend"):
+        Arithmetic.of("fa2", backend="cuda")
+    with pytest.raises(ValueError, match="unknown precision"):
+        trace(q, k, v, do, "fa3")
