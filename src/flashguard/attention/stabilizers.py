@@ -21,6 +21,12 @@ m_new = max(candidate, m_running), as FA2 does with the plain row maximum.
              by the reference arithmetic's 1e-10 floor on tile row sums: where the stats
              format is so coarse at r (bf16 with |r| >= 1024) that the smallest admissible
              gap would push the row sum near that floor, the row keeps the plain maximum.
+             Measured on independent rows (docs/lab/lab.md), it is not a fix: in the reference
+             arithmetic the bf16 PV sum and row sum still lean whatever the shift, and in
+             production arithmetic (row sum from the unrounded Pbar) moving the dominant Pbar
+             off 1 adds a lean and costs accuracy. Kept to reproduce that measurement; the
+             lab's recommendation is no stabilizer with fp32 forward accumulators
+             (``paper-fp32fwd`` for the reference code; ``fa2`` as it is).
 """
 from __future__ import annotations
 
