@@ -133,8 +133,8 @@ def _pick_checkpoint(run_dir: Path, step: int | None):
 
 
 def _batch_for(run_dir: Path, step: int) -> tuple[int, list[int]]:
-    from ..train.loop import JsonlLog
-    logged = {r["step"]: r["indices"] for r in JsonlLog.read(run_dir / "batches.jsonl") if "step" in r}
+    from ..utils.jsonl import read_jsonl
+    logged = {r["step"]: r["indices"] for r in read_jsonl(run_dir / "batches.jsonl") if "step" in r}
     earlier = [s for s in logged if s <= step]
     if not earlier:
         raise ValueError(f"{run_dir / 'batches.jsonl'} has no batch at or before step {step}")

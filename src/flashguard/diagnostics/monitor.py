@@ -55,6 +55,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..utils.jsonl import read_jsonl
+
 __all__ = ["OK", "WATCH", "WARNING", "STATE_NAMES", "MonitorThresholds", "MonitorStatus", "Monitor",
            "RunEvaluation", "find_divergence", "evaluate_run", "evaluate_runs", "read_metrics"]
 
@@ -259,18 +261,10 @@ class Monitor:
 # offline evaluation
 
 def read_metrics(path) -> list[dict]:
-    """Records of a metrics.jsonl (or of the run folder holding one); a cut last line is dropped."""
-    import json
+    """Records of a metrics.jsonl (or of the run folder holding one); a cut last line is dropped;
+    FileNotFoundError when there is none."""
     p = Path(path)
-    if p.is_dir():
-        p = p / "metrics.jsonl"
-    out = []
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return out
+    return read_jsonl(p / "metrics.jsonl" if p.is_dir() else p, missing_ok=False)
 
 
 def find_divergence(records: list[dict], *, loss_factor: float = 1.5, smooth: int = 9,

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..utils.atomic import atomic_write_text
+from ..utils.jsonl import read_jsonl
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import ConfigError, RunConfig, config_to_dict, load_config, save_config
 from .divergence import LossWatch
@@ -59,17 +60,7 @@ class JsonlLog:
         if self._f:
             self._f.close()
 
-    @staticmethod
-    def read(path: Path) -> list[dict]:
-        if not Path(path).exists():
-            return []
-        out = []
-        for line in Path(path).read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut by a kill
-                break
-        return out
+    read = staticmethod(read_jsonl)  # records in file order; [] for a missing file
 
     @staticmethod
     def truncate_after(path: Path, step: int) -> None:
