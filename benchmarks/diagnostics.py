@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from flashguard import keys
 from flashguard.diagnostics import DEFAULT_EVERY, TrainerDiagnostics
 from flashguard.model import GPT, AttentionSpec, model_config
 from flashguard.train.config import load_config
@@ -69,11 +70,11 @@ def main() -> None:
                 _, loss = model(x, y)
             loss.backward()
             gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
-            record = {"step": step, "loss/train": loss.item(), "grad/norm": gn}
+            record = {keys.STEP: step, keys.LOSS_TRAIN: loss.item(), keys.GRAD_NORM: gn}
             if diag is not None:
                 diag.end(step, record)
-                if "time/diagnostics_s" in record:
-                    s["probe_s"].append(record["time/diagnostics_s"])
+                if keys.DIAGNOSTICS_TIME in record:
+                    s["probe_s"].append(record[keys.DIAGNOSTICS_TIME])
             opt.step()
             opt.zero_grad(set_to_none=True)
             s["times"].append(time.perf_counter() - t0)

@@ -27,6 +27,8 @@ import math
 import sys
 from pathlib import Path
 
+from .. import keys
+
 __all__ = ["add_diagnose_arguments", "run_diagnose", "diagnose", "format_table", "main"]
 
 
@@ -63,36 +65,36 @@ def _fmt(x) -> str:
     return str(x)
 
 
-_COLUMNS = [
-    ("W_Q max", "weights/wq_spectral_norm_max/L{l}"),
-    ("growth", "weights/wq_growth_max/L{l}"),
-    ("max|S|", "attn/max_logit/L{l}"),
-    ("sink", "attn/sink_mass/L{l}"),
-    ("ties", "numerics/tie_rate/L{l}"),
-    ("Pbar=1", "numerics/pbar_one/L{l}"),
-    ("2xPbar=1", "numerics/pbar_one_multi/L{l}"),
-    ("O bias", "numerics/o_err_bias/L{l}"),
-    ("O bias.sgnV", "numerics/o_err_bias_vsign/L{l}"),
-    ("d.err rel", "numerics/delta_err_rel/L{l}"),
-    ("d.err>0", "numerics/delta_err_pos_frac/L{l}"),
-    ("d.cumsum", "numerics/delta_err_cumsum/L{l}"),
-    ("E sv1", "grad/wq_err_sv1/L{l}"),
-    ("E rank1", "grad/wq_err_rank1_frac/L{l}"),
-    ("E rel", "grad/wq_err_rel/L{l}"),
-    ("cos prev", "grad/wq_err_cos_prev/L{l}"),
-    ("align", "grad/wq_err_align_top/L{l}"),
+_COLUMNS = [  # (header, metric), one row per layer
+    ("W_Q max", keys.WQ_NORM_MAX),
+    ("growth", keys.WQ_GROWTH_MAX),
+    ("max|S|", keys.MAX_LOGIT),
+    ("sink", keys.SINK_MASS),
+    ("ties", keys.TIE_RATE),
+    ("Pbar=1", keys.PBAR_ONE),
+    ("2xPbar=1", keys.PBAR_ONE_MULTI),
+    ("O bias", keys.O_ERR_BIAS),
+    ("O bias.sgnV", keys.O_ERR_BIAS_VSIGN),
+    ("d.err rel", keys.DELTA_ERR_REL),
+    ("d.err>0", keys.DELTA_ERR_POS_FRAC),
+    ("d.cumsum", keys.DELTA_ERR_CUMSUM),
+    ("E sv1", keys.wq_err_sv(1)),
+    ("E rank1", keys.WQ_ERR_RANK1_FRAC),
+    ("E rel", keys.WQ_ERR_REL),
+    ("cos prev", keys.WQ_ERR_COS_PREV),
+    ("align", keys.WQ_ERR_ALIGN_TOP),
 ]
 
-_HEAD_COLUMNS = [
-    ("|W_Q|", "weights/wq_spectral_norm/L{l}H{h}"),
-    ("W_Q growth", "weights/wq_growth/L{l}H{h}"),
-    ("|W_K|", "weights/wk_spectral_norm/L{l}H{h}"),
-    ("max|S|", "attn/max_logit/L{l}H{h}"),
-    ("sink", "attn/sink_mass/L{l}H{h}"),
-    ("ties", "numerics/tie_rate/L{l}H{h}"),
-    ("Pbar=1", "numerics/pbar_one/L{l}H{h}"),
-    ("E norm", "grad/wq_err_norm/L{l}H{h}"),
-    ("align", "grad/wq_err_align_top/L{l}H{h}"),
+_HEAD_COLUMNS = [  # (header, metric), one row per head
+    ("|W_Q|", keys.WQ_NORM),
+    ("W_Q growth", keys.WQ_GROWTH),
+    ("|W_K|", keys.WK_NORM),
+    ("max|S|", keys.MAX_LOGIT),
+    ("sink", keys.SINK_MASS),
+    ("ties", keys.TIE_RATE),
+    ("Pbar=1", keys.PBAR_ONE),
+    ("E norm", keys.WQ_ERR_NORM),
+    ("align", keys.WQ_ERR_ALIGN_TOP),
 ]
 
 
@@ -108,11 +110,11 @@ def format_table(metrics: dict, layers: list[int], *, n_head: int | None = None,
     rows = []
     for layer in layers:
         rows.append([f"L{layer}", (attention or {}).get(layer, "")]
-                    + [_fmt(metrics.get(k.format(l=layer))) for _, k in _COLUMNS])
+                    + [_fmt(metrics.get(m.key(layer))) for _, m in _COLUMNS])
     out = _table(header, rows)
     if n_head:
         header = ["head"] + [c for c, _ in _HEAD_COLUMNS]
-        rows = [[f"L{layer}H{h}"] + [_fmt(metrics.get(k.format(l=layer, h=h))) for _, k in _HEAD_COLUMNS]
+        rows = [[f"L{layer}H{h}"] + [_fmt(metrics.get(m.key(layer, h))) for _, m in _HEAD_COLUMNS]
                 for layer in layers for h in range(n_head)]
         out += "\n\n" + _table(header, rows)
     return out

@@ -55,6 +55,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import keys
 from ..utils.jsonl import read_jsonl
 
 __all__ = ["OK", "WATCH", "WARNING", "STATE_NAMES", "MonitorThresholds", "MonitorStatus", "Monitor",
@@ -63,10 +64,10 @@ __all__ = ["OK", "WATCH", "WARNING", "STATE_NAMES", "MonitorThresholds", "Monito
 OK, WATCH, WARNING = 0, 1, 2
 STATE_NAMES = {OK: "ok", WATCH: "watch", WARNING: "warning"}
 
-_WQ_NORM = re.compile(r"^weights/wq_spectral_norm/L(\d+)H(\d+)$")
-_MAX_LOGIT = re.compile(r"^attn/max_logit/L(\d+)$")
-_DELTA = re.compile(r"^numerics/delta_err_mean/L(\d+)$")
-_COS_PREV = re.compile(r"^grad/wq_err_cos_prev/L(\d+)$")
+_WQ_NORM = re.compile(keys.WQ_NORM.pattern(heads=True))            # per head (fullmatch)
+_MAX_LOGIT = re.compile(keys.MAX_LOGIT.pattern())                    # per layer
+_DELTA = re.compile(keys.DELTA_ERR_MEAN.pattern())
+_COS_PREV = re.compile(keys.WQ_ERR_COS_PREV.pattern())
 
 GROWTH_SIGNALS = ("wq_growth", "wq_norm_ratio", "max_logit", "grad_spike")
 MECHANISM_SIGNALS = ("delta_bias", "grad_err")
@@ -156,7 +157,7 @@ class Monitor:
         th = self.th
         growth = []
         for k, v in rec.items():
-            if _WQ_NORM.match(k) and _finite(v) and v > 0:
+            if _WQ_NORM.fullmatch(k) and _finite(v) and v > 0:
                 hist = self._norm_hist.setdefault(k, deque())
                 hist.append((step, math.log(v)))
                 while len(hist) >= 2 and hist[1][0] <= step - th.growth_window:
@@ -170,7 +171,7 @@ class Monitor:
                             f"W_Q norm growth {v:.3g}/100 steps at {k.split('/')[-1]}")
         ratios = []
         for k, v in rec.items():
-            if _WQ_NORM.match(k) and _finite(v) and v > 0:
+            if _WQ_NORM.fullmatch(k) and _finite(v) and v > 0:
                 hist = self._ratio_hist.setdefault(k, deque())
                 hist.append((step, v))
                 while len(hist) >= 2 and hist[1][0] <= step - th.ratio_window:
@@ -180,19 +181,19 @@ class Monitor:
             r, since, k = max(ratios)
             self._persisted("wq_norm_ratio", _level(r, th.wq_norm_ratio_watch, th.wq_norm_ratio_warn),
                             f"W_Q norm x{r:.3g} since step {since} at {k.split('/')[-1]}")
-        logits = [(v, k) for k, v in rec.items() if _MAX_LOGIT.match(k) and isinstance(v, (int, float))]
+        logits = [(v, k) for k, v in rec.items() if _MAX_LOGIT.fullmatch(k) and isinstance(v, (int, float))]
         if logits:
             v, k = max(logits, key=lambda t: t[0] if math.isfinite(t[0]) else math.inf)
             self._persisted("max_logit", _level(v, th.max_logit_watch, th.max_logit_warn),
                             f"max |logit| {v:.3g} in {k.split('/')[-1]}")
-        cos = [(v, k) for k, v in rec.items() if _COS_PREV.match(k) and _finite(v)]
+        cos = [(v, k) for k, v in rec.items() if _COS_PREV.fullmatch(k) and _finite(v)]
         if cos:
             v, k = max(cos)
             self._persisted("grad_err", WATCH if v >= th.grad_err_cos else OK,
                             f"W_Q gradient error repeats (cos {v:.2f} with the last probe) in {k.split('/')[-1]}")
         best = None
         for k, v in rec.items():
-            m = _DELTA.match(k)
+            m = _DELTA.fullmatch(k)
             if m and _finite(v):
                 q = self._delta.setdefault(int(m.group(1)), deque(maxlen=th.delta_window))
                 q.append(v)
@@ -212,7 +213,7 @@ class Monitor:
 
     def _grad_signal(self, step: int, rec: dict) -> None:
         th = self.th
-        g = rec.get("grad/norm")
+        g = rec.get(keys.GRAD_NORM)
         if not isinstance(g, (int, float)) or isinstance(g, bool):
             return
         level, why = OK, None
@@ -236,12 +237,12 @@ class Monitor:
     # ---- the state ----
 
     def update(self, record: dict) -> MonitorStatus:
-        step = int(record.get("step", -1))
+        step = int(record.get(keys.STEP, -1))
         if step >= self.th.ignore_before:
             self._probe_signals(step, record)
             self._grad_signal(step, record)
-        elif _finite(record.get("grad/norm")):
-            self._grad_hist.append(record["grad/norm"])
+        elif _finite(record.get(keys.GRAD_NORM)):
+            self._grad_hist.append(record[keys.GRAD_NORM])
         growth = [self.levels[s] for s in GROWTH_SIGNALS]
         n_growth = sum(1 for x in growth if x >= WATCH)
         mechanism = any(self.levels[s] >= WATCH for s in MECHANISM_SIGNALS)
@@ -276,12 +277,12 @@ def find_divergence(records: list[dict], *, loss_factor: float = 1.5, smooth: in
     window: deque = deque(maxlen=smooth)
     best = None
     for r in records:
-        step = r.get("step")
+        step = r.get(keys.STEP)
         if step is None:
             continue
-        loss, g = r.get("loss/train"), r.get("grad/norm")
-        if r.get("event/diverged"):
-            return step, "event/diverged"
+        loss, g = r.get(keys.LOSS_TRAIN), r.get(keys.GRAD_NORM)
+        if r.get(keys.DIVERGED):
+            return step, keys.DIVERGED
         if isinstance(loss, (int, float)) and not math.isfinite(loss):
             return step, f"loss {loss}"
         if isinstance(g, (int, float)) and not math.isfinite(g):
@@ -357,7 +358,7 @@ def evaluate_run(metrics, thresholds: MonitorThresholds | None = None, *, loss_f
     else:
         records = list(metrics)
     th = thresholds or MonitorThresholds()
-    records = sorted((r for r in records if "step" in r), key=lambda r: r["step"])
+    records = sorted((r for r in records if keys.STEP in r), key=lambda r: r[keys.STEP])
     div_step, div_reason = find_divergence(records, loss_factor=loss_factor, ignore_before=th.ignore_before)
     mon = Monitor(th)
     first_watch = first_warning = None
@@ -378,11 +379,11 @@ def evaluate_run(metrics, thresholds: MonitorThresholds | None = None, *, loss_f
     if div_step is not None and first_warning is not None and first_warning <= div_step:
         lead = div_step - first_warning
     return RunEvaluation(
-        run=name, records=len(records), last_step=records[-1]["step"] if records else None,
+        run=name, records=len(records), last_step=records[-1][keys.STEP] if records else None,
         diverged=div_step is not None, divergence_step=div_step, divergence_reason=div_reason,
         first_watch_step=first_watch, first_warning_step=first_warning, lead_time=lead,
         false_alarm=div_step is None and first_warning is not None,
-        has_probes=any(any(_WQ_NORM.match(k) for k in r) for r in records), warnings=warnings)
+        has_probes=any(any(_WQ_NORM.fullmatch(k) for k in r) for r in records), warnings=warnings)
 
 
 def evaluate_runs(runs, thresholds: MonitorThresholds | None = None, *, goal: int = 200) -> dict:

@@ -1,8 +1,10 @@
 """Plots of probe metrics from metrics.jsonl records (matplotlib, Agg backend).
 
-Each function takes the records of a run (a list of dicts, e.g. ``monitor.read_metrics(run)``),
-writes one PNG atomically (a reader never sees half a file) and returns its path; a figure
-with nothing to show says so in its title instead of failing.
+Each ``plot_*`` function takes the records of a run (a list of dicts, e.g.
+``monitor.read_metrics(run)``), writes one PNG atomically (a reader never sees half a file) and
+returns its path; a figure with nothing to show says so in its title instead of failing. Its
+``*_figure`` twin (same arguments, no path) returns the matplotlib Figure instead, for callers
+that want to look at or change it (close it with ``matplotlib.pyplot.close``).
 
 * ``plot_spectral_norms``  per-head W_Q (or W_K) spectral norm against step, a panel per layer
 * ``plot_tie_rate``        tie rate (and the fraction of rows with >= 2 Pbar == 1) against step
@@ -17,8 +19,11 @@ import math
 import re
 from pathlib import Path
 
+from .. import keys
+
 __all__ = ["plot_spectral_norms", "plot_tie_rate", "plot_delta_bias", "plot_singular_values", "plot_monitor",
-           "series", "draw_head_norms"]
+           "spectral_norms_figure", "tie_rate_figure", "delta_bias_figure", "singular_values_figure",
+           "monitor_figure", "series", "draw_head_norms"]
 
 
 def _plt():
@@ -53,15 +58,6 @@ def series(records: list[dict], pattern: str) -> dict[str, tuple[list[int], list
     return out
 
 
-def _layers(keys, rx: str) -> list[int]:
-    found = set()
-    for k in keys:
-        m = re.search(rx, k)
-        if m:
-            found.add(int(m.group(1)))
-    return sorted(found)
-
-
 def _panels(n: int, title: str):
     plt = _plt()
     n = max(n, 1)
@@ -75,80 +71,102 @@ def _panels(n: int, title: str):
     return fig, flat
 
 
-def plot_spectral_norms(records: list[dict], path, *, which: str = "wq", layers=None) -> Path:
-    """Per-head spectral norm of W_Q (``which="wq"``) or W_K against step."""
-    data = series(records, rf"weights/{which}_spectral_norm/L\d+H\d+")
-    found = _layers(data, r"/L(\d+)H")
+def spectral_norms_figure(records: list[dict], *, which: str = "wq", layers=None):
+    """Per-head spectral norm of W_Q (``which="wq"``) or W_K against step, a panel per layer."""
+    metric = keys.SPECTRAL_NORM[which]
+    data = series(records, metric.pattern(heads=True))
+    found = sorted({metric.parse(k)[0] for k in data})
     layers = [l for l in found if layers is None or l in layers]
     title = f"{'W_Q' if which == 'wq' else 'W_K'} spectral norm per head"
     fig, axes = _panels(len(layers), title if layers else title + " (no probe metrics)")
     for ax, layer in zip(axes, layers):
         draw_head_norms(ax, data, layer)
         ax.set_title(f"layer {layer}")
-    return _save(fig, path)
+    return fig
+
+
+def plot_spectral_norms(records: list[dict], path, *, which: str = "wq", layers=None) -> Path:
+    """Per-head spectral norm of W_Q (``which="wq"``) or W_K against step."""
+    return _save(spectral_norms_figure(records, which=which, layers=layers), path)
+
+
+def _head_of(key: str, layer: int) -> int | None:
+    """h of a per-head key ``<ns>/<name>/L<layer>H<h>`` of the schema, else None."""
+    found = keys.parse(key)
+    return found[2] if found is not None and found[1] == layer else None
 
 
 def draw_head_norms(ax, data: dict[str, tuple[list[int], list[float]]], layer: int) -> int:
     """One line per head of ``layer`` from ``series(...)`` of per-head norm keys (``.../L<l>H<h>``),
     heads in order; returns how many were drawn (also used by the report's cross-run figure)."""
-    keys = sorted((k for k in data if re.search(rf"/L{layer}H\d+$", k)), key=lambda k: int(k.rsplit("H", 1)[1]))
-    for key in keys:
-        ax.plot(*data[key], label="H" + key.rsplit("H", 1)[1])
+    heads = sorted((h, k) for k in data if (h := _head_of(k, layer)) is not None)
+    for h, key in heads:
+        ax.plot(*data[key], label=f"H{h}")
     ax.set_xlabel("step")
     ax.set_ylabel("spectral norm")
-    if keys:
+    if heads:
         ax.legend(fontsize="small", ncol=2)
-    return len(keys)
+    return len(heads)
 
 
-def plot_tie_rate(records: list[dict], path) -> Path:
+def tie_rate_figure(records: list[dict]):
     """Tie rate per layer (solid) and fraction of rows with >= 2 Pbar == 1 (dashed)."""
     plt = _plt()
-    ties = series(records, r"numerics/tie_rate/L\d+")
-    multi = series(records, r"numerics/pbar_one_multi/L\d+")
+    ties = series(records, keys.TIE_RATE.pattern())
+    multi = series(records, keys.PBAR_ONE_MULTI.pattern())
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    for key in sorted(ties, key=lambda k: int(k.rsplit("L", 1)[1])):
-        line, = ax.plot(*ties[key], label=f"ties {key.rsplit('/', 1)[1]}")
-        m = key.replace("tie_rate", "pbar_one_multi")
+    for layer in sorted(keys.TIE_RATE.parse(k)[0] for k in ties):
+        line, = ax.plot(*ties[keys.TIE_RATE.key(layer)], label=f"ties L{layer}")
+        m = keys.PBAR_ONE_MULTI.key(layer)
         if m in multi:
-            ax.plot(*multi[m], linestyle="--", color=line.get_color(), label=f">=2 Pbar=1 {key.rsplit('/', 1)[1]}")
+            ax.plot(*multi[m], linestyle="--", color=line.get_color(), label=f">=2 Pbar=1 L{layer}")
     ax.set_title("tied row maxima" + ("" if ties else " (no probe metrics)"))
     ax.set_xlabel("step")
     ax.set_ylabel("fraction of rows")
     if ties:
         ax.legend(fontsize="small", ncol=2)
-    return _save(fig, path)
+    return fig
 
 
-def plot_delta_bias(records: list[dict], path) -> Path:
+def plot_tie_rate(records: list[dict], path) -> Path:
+    """Tie rate per layer (solid) and fraction of rows with >= 2 Pbar == 1 (dashed)."""
+    return _save(tie_rate_figure(records), path)
+
+
+def delta_bias_figure(records: list[dict]):
     """Running sum of mean(delta_lp - delta_hp) per layer; a steady climb is the study's bias."""
     plt = _plt()
-    cum = series(records, r"numerics/delta_err_cumsum/L\d+")
+    cum = series(records, keys.DELTA_ERR_CUMSUM.pattern())
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    for key in sorted(cum, key=lambda k: int(k.rsplit("L", 1)[1])):
-        ax.plot(*cum[key], marker=".", label=key.rsplit("/", 1)[1])
+    for layer in sorted(keys.DELTA_ERR_CUMSUM.parse(k)[0] for k in cum):
+        ax.plot(*cum[keys.DELTA_ERR_CUMSUM.key(layer)], marker=".", label=f"L{layer}")
     ax.axhline(0.0, color="grey", linewidth=0.8)
     ax.set_title("cumulative delta error  sum of mean(delta_lp - delta_hp)" + ("" if cum else " (no probe metrics)"))
     ax.set_xlabel("step")
     ax.set_ylabel("running sum")
     if cum:
         ax.legend(fontsize="small")
-    return _save(fig, path)
+    return fig
 
 
-def plot_singular_values(records: list[dict], path, *, max_curves: int = 6) -> Path:
+def plot_delta_bias(records: list[dict], path) -> Path:
+    """Running sum of mean(delta_lp - delta_hp) per layer; a steady climb is the study's bias."""
+    return _save(delta_bias_figure(records), path)
+
+
+def singular_values_figure(records: list[dict], *, max_curves: int = 6):
     """Top singular values of the W_Q gradient error (``grad/wq_err_sv<i>``), divided by the
     first, at up to ``max_curves`` evenly spaced probe steps; a panel per layer."""
-    data = series(records, r"grad/wq_err_sv\d+/L\d+")
-    layers = _layers(data, r"/L(\d+)$")
+    data = series(records, keys.WQ_ERR_SV_PATTERN)
+    where = {k: keys.parse_sv(k) for k in data}                    # key -> (i, layer)
+    layers = sorted({layer for _, layer in where.values()})
     fig, axes = _panels(len(layers), "W_Q gradient-error singular values / sv1"
                         + ("" if layers else " (no probe metrics)"))
     plt = _plt()
     for ax, layer in zip(axes, layers):
-        keys = sorted((k for k in data if k.endswith(f"/L{layer}")),
-                      key=lambda k: int(re.search(r"sv(\d+)", k).group(1)))
+        svs = sorted((i, k) for k, (i, l) in where.items() if l == layer)
         by_step: dict[int, list[float]] = {}
-        for k in keys:
+        for _, k in svs:
             for s, v in zip(*data[k]):
                 by_step.setdefault(s, []).append(v)
         steps = sorted(by_step)
@@ -165,15 +183,21 @@ def plot_singular_values(records: list[dict], path, *, max_curves: int = 6) -> P
         ax.set_ylabel("sv_i / sv_1")
         ax.set_ylim(0, 1.05)
         ax.legend(fontsize="small")
-    return _save(fig, path)
+    return fig
 
 
-def plot_monitor(records: list[dict], path) -> Path:
+def plot_singular_values(records: list[dict], path, *, max_curves: int = 6) -> Path:
+    """Top singular values of the W_Q gradient error (``grad/wq_err_sv<i>``), divided by the
+    first, at up to ``max_curves`` evenly spaced probe steps; a panel per layer."""
+    return _save(singular_values_figure(records, max_curves=max_curves), path)
+
+
+def monitor_figure(records: list[dict]):
     """Training loss and gradient norm, with the steps the monitor said watch / warning."""
     plt = _plt()
-    loss = series(records, r"loss/train").get("loss/train", ([], []))
-    grad = series(records, r"grad/norm").get("grad/norm", ([], []))
-    state = series(records, r"monitor/state").get("monitor/state", ([], []))
+    loss = series(records, re.escape(keys.LOSS_TRAIN)).get(keys.LOSS_TRAIN, ([], []))
+    grad = series(records, re.escape(keys.GRAD_NORM)).get(keys.GRAD_NORM, ([], []))
+    state = series(records, re.escape(keys.MONITOR_STATE)).get(keys.MONITOR_STATE, ([], []))
     fig, ax = plt.subplots(figsize=(7, 3.8))
     ax.plot(*loss, color="black", label="train loss")
     ax.set_xlabel("step")
@@ -189,4 +213,9 @@ def plot_monitor(records: list[dict], path) -> Path:
         elif v >= 1:
             ax.axvline(s, color="tab:orange", alpha=0.08)
     ax.set_title("monitor: watch (orange) / warning (red)")
-    return _save(fig, path)
+    return fig
+
+
+def plot_monitor(records: list[dict], path) -> Path:
+    """Training loss and gradient norm, with the steps the monitor said watch / warning."""
+    return _save(monitor_figure(records), path)

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import keys
 from ..attention import DEFAULT_BLOCK, flash_backward, flash_forward, get_stabilizer
 from ..attention.flash import delta_preprocess
 from ..attention.stabilizers import count_true
@@ -77,10 +78,6 @@ __all__ = ["weight_probe", "spectral_norms", "Shadow", "shadow", "attention_metr
 
 DEFAULT_TIE_TOL = 1e-3  # the study's tie rule: >= 2 scores within 1e-3 of the row max
 N_SINGULAR = 4          # singular values of the gradient error written to the metrics
-
-
-def _k(ns: str, name: str, layer: int, head: int | None = None) -> str:
-    return f"{ns}/{name}/L{layer}" + ("" if head is None else f"H{head}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,18 +97,18 @@ def weight_probe(model, layers=None, *, step: int | None = None, state: ProbeSta
             norms = spectral_norms(w).tolist()
             growths = []
             for h, n in enumerate(norms):
-                key = _k("weights", f"{name}_spectral_norm", layer, h)
+                key = keys.SPECTRAL_NORM[name].key(layer, h)
                 out[key] = n
                 if state is not None and step is not None:
                     prev = state.norms.get(key)
                     if prev is not None and step > prev[0] and prev[1] > 0 and n > 0:
                         g = 100.0 * math.log(n / prev[1]) / (step - prev[0])
-                        out[_k("weights", f"{name}_growth", layer, h)] = g
+                        out[keys.GROWTH[name].key(layer, h)] = g
                         growths.append(g)
                     state.norms[key] = (step, n)
-            out[_k("weights", f"{name}_spectral_norm_max", layer)] = max(norms)
+            out[keys.SPECTRAL_NORM_MAX[name].key(layer)] = max(norms)
             if growths:
-                out[_k("weights", f"{name}_growth_max", layer)] = max(growths)
+                out[keys.GROWTH_MAX[name].key(layer)] = max(growths)
     return out
 
 
@@ -304,11 +301,11 @@ def attention_metrics(sh: Shadow) -> dict:
     top_is_first = (p.argmax(dim=-1) == 0).to(torch.float64).mean()
     out = {}
     for h in range(max_logit.shape[0]):
-        out[_k("attn", "max_logit", layer, h)] = float(max_logit[h])
-        out[_k("attn", "sink_mass", layer, h)] = float(sink[h])
-    out[_k("attn", "max_logit", layer)] = float(max_logit.max())
-    out[_k("attn", "sink_mass", layer)] = float(sink.mean())
-    out[_k("attn", "sink_top_frac", layer)] = float(top_is_first)
+        out[keys.MAX_LOGIT.key(layer, h)] = float(max_logit[h])
+        out[keys.SINK_MASS.key(layer, h)] = float(sink[h])
+    out[keys.MAX_LOGIT.key(layer)] = float(max_logit.max())
+    out[keys.SINK_MASS.key(layer)] = float(sink.mean())
+    out[keys.SINK_TOP_FRAC.key(layer)] = float(top_is_first)
     return out
 
 
@@ -323,35 +320,35 @@ def numerics_metrics(sh: Shadow, *, state: ProbeState | None = None, details: di
     layer = sh.layer
     out = {}
     for h in range(sh.rows.shape[0]):
-        out[_k("numerics", "tie_rate", layer, h)] = _ratio(sh.tied_rows[h], sh.rows[h])
-        out[_k("numerics", "pbar_one", layer, h)] = _ratio(sh.pbar_one[h], sh.entries[h])
-    out[_k("numerics", "tie_rate", layer)] = _ratio(sh.tied_rows.sum(), sh.rows.sum())
-    out[_k("numerics", "pbar_one", layer)] = _ratio(sh.pbar_one.sum(), sh.entries.sum())
-    out[_k("numerics", "pbar_one_multi", layer)] = _ratio(sh.multi_one_rows.sum(), sh.rows.sum())
+        out[keys.TIE_RATE.key(layer, h)] = _ratio(sh.tied_rows[h], sh.rows[h])
+        out[keys.PBAR_ONE.key(layer, h)] = _ratio(sh.pbar_one[h], sh.entries[h])
+    out[keys.TIE_RATE.key(layer)] = _ratio(sh.tied_rows.sum(), sh.rows.sum())
+    out[keys.PBAR_ONE.key(layer)] = _ratio(sh.pbar_one.sum(), sh.entries.sum())
+    out[keys.PBAR_ONE_MULTI.key(layer)] = _ratio(sh.multi_one_rows.sum(), sh.rows.sum())
 
     err = sh.o_lp - sh.ref.o                                       # (B, H, T, D)
     bias_f = err.mean(dim=(0, 2))                                  # (H, D) per feature
     v_sign = torch.sign(sh.v_in.to(torch.float64).mean(dim=(0, 2)))
-    out[_k("numerics", "o_err_bias", layer)] = float(err.mean())
-    out[_k("numerics", "o_err_abs", layer)] = float(err.abs().mean())
-    out[_k("numerics", "o_err_bias_absmax", layer)] = float(bias_f.abs().max())
-    out[_k("numerics", "o_err_bias_vsign", layer)] = float((bias_f * v_sign).mean())
+    out[keys.O_ERR_BIAS.key(layer)] = float(err.mean())
+    out[keys.O_ERR_ABS.key(layer)] = float(err.abs().mean())
+    out[keys.O_ERR_BIAS_ABSMAX.key(layer)] = float(bias_f.abs().max())
+    out[keys.O_ERR_BIAS_VSIGN.key(layer)] = float((bias_f * v_sign).mean())
     if details is not None:
         details["o_err_bias_per_feature"] = bias_f.tolist()
     if sh.delta_lp is not None:
         d = sh.delta_lp - sh.delta_hp
         mean = float(d.mean())
-        out[_k("numerics", "delta_err_mean", layer)] = mean
-        out[_k("numerics", "delta_err_abs", layer)] = float(d.abs().mean())
-        out[_k("numerics", "delta_err_rel", layer)] = _ratio(torch.tensor(mean), sh.delta_hp.abs().mean())
-        out[_k("numerics", "delta_err_pos_frac", layer)] = float((d > 0).to(torch.float64).mean())
+        out[keys.DELTA_ERR_MEAN.key(layer)] = mean
+        out[keys.DELTA_ERR_ABS.key(layer)] = float(d.abs().mean())
+        out[keys.DELTA_ERR_REL.key(layer)] = _ratio(torch.tensor(mean), sh.delta_hp.abs().mean())
+        out[keys.DELTA_ERR_POS_FRAC.key(layer)] = float((d > 0).to(torch.float64).mean())
         cum = mean
         if state is not None:
             if math.isfinite(mean):
                 state.delta_sum[layer] = state.delta_sum.get(layer, 0.0) + mean
                 state.delta_count[layer] = state.delta_count.get(layer, 0) + 1
             cum = state.delta_sum.get(layer, 0.0)
-        out[_k("numerics", "delta_err_cumsum", layer)] = cum
+        out[keys.DELTA_ERR_CUMSUM.key(layer)] = cum
     return out
 
 
@@ -453,9 +450,9 @@ def gradient_error_metrics(sh: Shadow, cap: LayerCapture, *, state: ProbeState |
         if "/H" in name:
             name, h = name.split("/H")
             head = int(h)
-        out[_k("grad", f"wq_err_{name}", layer, head)] = value
+        out[keys.wq_err(name).key(layer, head)] = value
     fn = float(full.norm())
-    out[_k("grad", "wq_err_rel", layer)] = st["norm"] / fn if fn > 0 else 0.0
+    out[keys.WQ_ERR_REL.key(layer)] = st["norm"] / fn if fn > 0 else 0.0
     if details is not None and "spectrum" in st:
         details["wq_err_spectrum"] = st["spectrum"]
     if state is not None and bool(torch.isfinite(err).all()):

@@ -27,6 +27,7 @@ import time
 import traceback
 from pathlib import Path
 
+from .. import keys
 from .capture import CaptureHooks, resolve_layers
 from .monitor import Monitor, MonitorThresholds, read_metrics
 from .probes import run_probes
@@ -70,7 +71,7 @@ class TrainerDiagnostics:
         self.monitor = Monitor(MonitorThresholds.for_warmup(cfg.optim.warmup_steps))
         if start > 0 and (self.run_dir / "metrics.jsonl").exists():
             for r in read_metrics(self.run_dir / "metrics.jsonl"):
-                if r.get("step", -1) < start:
+                if r.get(keys.STEP, -1) < start:
                     self.monitor.update(r)
         self._hooks: CaptureHooks | None = None
         self._failed_once = False
@@ -94,13 +95,13 @@ class TrainerDiagnostics:
                                          state=self.state, step=step))
                 self._save_state(step)
             except Exception as e:  # diagnostics must never stop a training run
-                record["diagnostics/failed"] = 1.0
+                record[keys.DIAGNOSTICS_FAILED] = 1.0
                 if not self._failed_once:
                     self.log(f"diagnostics: probes failed at step {step}: {e!r}\n{traceback.format_exc()}")
                     self._failed_once = True
-            record["time/diagnostics_s"] = time.perf_counter() - t0
+            record[keys.DIAGNOSTICS_TIME] = time.perf_counter() - t0
         status = self.monitor.update(record)
-        record["monitor/state"] = float(status.state)
+        record[keys.MONITOR_STATE] = float(status.state)
         if status.changed:
             self.log(status.message())
 
@@ -123,10 +124,3 @@ class TrainerDiagnostics:
         for s, p in snaps:
             if s < floor:
                 p.unlink(missing_ok=True)
-
-
-def probe_keys(record: dict) -> list[str]:
-    """The probe metric keys of a record (weights/, attn/, numerics/, grad/wq_err)."""
-    return [k for k in record if k.split("/")[0] in ("weights", "attn", "numerics")
-            or k.startswith("grad/wq_err")]
-

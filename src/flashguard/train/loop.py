@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import keys
 from ..utils.atomic import atomic_write_text
 from ..utils.jsonl import read_jsonl
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -258,14 +259,14 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
                 loss_sum += _last_ce(raw_model, loss).detach() / t.grad_accum
             train_loss = _all_mean(loss_sum, world).item()
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), o.grad_clip or float("inf")).item()
-            record = {"step": step, "loss/train": train_loss, "optim/lr": lr, "grad/norm": grad_norm}
+            record = {keys.STEP: step, keys.LOSS_TRAIN: train_loss, keys.LR: lr, keys.GRAD_NORM: grad_norm}
             if diag is not None:  # (diagnostics) probes + monitor into the record, before optimizer.step()
                 diag.end(step, record, grad_scale=t.grad_accum)
             bad = watch.update(step, train_loss, grad_norm) is not None or (
                 t.divergence_loss is not None and train_loss > t.divergence_loss)
             if bad:
                 diverged = True
-                record["event/diverged"] = 1
+                record[keys.DIVERGED] = 1
                 if main:
                     _write_divergence(run_dir, step, record, indices, train_loss, grad_norm)
                     log_fn(f"divergence at step {step}: loss {train_loss:.4g}, grad norm {grad_norm:.4g}"
@@ -275,18 +276,18 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
             optimizer.zero_grad(set_to_none=True)
             batches.write({"step": step, "indices": indices.tolist()})
             dt = time.perf_counter() - t0
-            record["time/step_s"] = dt
-            record["time/tokens_per_s"] = tokens_per_step / dt
+            record[keys.STEP_TIME] = dt
+            record[keys.TOKENS_PER_S] = tokens_per_step / dt
             last_loss = train_loss
             done = step + 1
             if t.eval_every and (done % t.eval_every == 0 or done == t.steps) and not (bad and t.on_divergence == "stop"):
                 val = evaluate()
-                record["loss/val"] = val
+                record[keys.LOSS_VAL] = val
                 is_best = best_val is None or val < best_val
                 best_val = val if is_best else best_val
             else:
                 is_best = False
-            if step % t.log_every == 0 or "loss/val" in record or bad or "time/diagnostics_s" in record:
+            if step % t.log_every == 0 or keys.LOSS_VAL in record or bad or keys.DIAGNOSTICS_TIME in record:
                 metrics.write(record)
                 if tb is not None:
                     for k, v in record.items():
@@ -294,7 +295,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
                             tb.add_scalar(k, v, step)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{record['time/tokens_per_s']:.0f}")
+                bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{record[keys.TOKENS_PER_S]:.0f}")
             if bad and t.on_divergence == "stop":
                 break
             if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps or is_best:

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ... import keys
 from ...diagnostics.plots import _plt, _save, draw_head_norms, series
 from ...utils.atomic import atomic_write_bytes
 from .load import Run, Study
@@ -20,9 +21,10 @@ __all__ = ["Figure", "make_figures", "copy_lab_figures", "focus_layer", "FIGURE_
 FIGURE_NAMES = ("loss.png", "wq_norms.png", "wq_norms_layers.png", "grad_error.png", "delta_bias.png")
 
 LAB_CAPTIONS = {
-    "bias_vs_k": "Lab: bias ratio of O against the number of tied row maxima k, per arithmetic and stabilizer.",
-    "bias_vs_format": "Lab: bias ratio of O per number format (k = 2 ties), without a stabilizer and with `safe`.",
-    "bias_vs_stabilizer": "Lab: bias ratio of O per stabilizer (k = 4 ties), in the paper and fa2 arithmetic.",
+    "bias_vs_k": "Lab: z of O's lean beyond the fp32 noise floor (one value per independent row) against the "
+                 "number of tied row maxima k, per arithmetic and fix.",
+    "bias_vs_format": "Lab: z of O's lean beyond the floor per number format (k = 8 ties), without a fix and "
+                      "with the lab's recommended one.",
 }
 
 
@@ -51,8 +53,8 @@ def focus_layer(study: Study) -> int:
     """repro.json's focus layer; else layer 1 (the study's "layer 2") if probed, else the first probed."""
     if isinstance(study.meta.get("focus_layer"), int):
         return study.meta["focus_layer"]
-    rx = re.compile(r"^weights/wq_spectral_norm_max/L(\d+)$")
-    layers = {int(m.group(1)) for r in study.runs for rec in r.records for k in rec if (m := rx.match(k))}
+    layers = {where[0] for r in study.runs for rec in r.records for k in rec
+              if (where := keys.WQ_NORM_MAX.parse(k)) is not None}
     return 1 if 1 in layers or not layers else min(layers)
 
 
@@ -75,17 +77,17 @@ def _smooth(values: list[float]) -> tuple[list[float], int]:
 def fig_loss(study: Study, out: Path, colors) -> Figure | str:
     panels = [("main runs", [r for r in study.runs if r.group == "main"]),
               ("ablations and remedies", [r for r in study.runs if r.group != "main"])]
-    panels = [(t, [r for r in rs if _get(r, "loss/train")[0]]) for t, rs in panels]
+    panels = [(t, [r for r in rs if _get(r, keys.LOSS_TRAIN)[0]]) for t, rs in panels]
     panels = [(t, rs) for t, rs in panels if rs]
     if not panels:
-        return "loss: skipped, no run has a finite loss/train"
+        return f"loss: skipped, no run has a finite {keys.LOSS_TRAIN}"
     plt = _plt()
     fig, axes = plt.subplots(1, len(panels), figsize=(6.8 * len(panels), 4.2), sharey=True, squeeze=False,
                              constrained_layout=True)
     firsts, windows = [], set()
     for ax, (title, runs) in zip(axes[0], panels):
         for r in runs:
-            steps, vals = _get(r, "loss/train")
+            steps, vals = _get(r, keys.LOSS_TRAIN)
             firsts.append(vals[0])
             smooth, w = _smooth(vals)
             windows.add(w)
@@ -103,7 +105,7 @@ def fig_loss(study: Study, out: Path, colors) -> Figure | str:
         ax.legend(fontsize="small")
     axes[0][0].set_ylabel("training loss")
     # an exploded loss (1e4, say) would flatten every other curve: cap the axis near the initial loss
-    lo = min(min(_get(r, "loss/train")[1]) for _, rs in panels for r in rs)
+    lo = min(min(_get(r, keys.LOSS_TRAIN)[1]) for _, rs in panels for r in rs)
     axes[0][0].set_ylim(max(0.0, lo * 0.95), max(firsts) * 1.15)
     fig.suptitle("training loss (Fig. 2)")
     w = max(windows)
@@ -116,14 +118,14 @@ def fig_loss(study: Study, out: Path, colors) -> Figure | str:
 
 
 def fig_wq_norms(study: Study, out: Path, layer: int) -> Figure | str:
-    runs = _with(study, f"weights/wq_spectral_norm/L{layer}H0")
+    runs = _with(study, keys.WQ_NORM.key(layer, 0))
     if not runs:
-        return f"W_Q norms: skipped, no run has per-head probe metrics for layer {layer} (weights/wq_spectral_norm)"
+        return f"W_Q norms: skipped, no run has per-head probe metrics for layer {layer} ({keys.WQ_NORM})"
     plt = _plt()
     fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.4), sharey=True, squeeze=False,
                              constrained_layout=True)
     for ax, r in zip(axes[0], runs):
-        data = {k: _finite(*v) for k, v in series(r.records, rf"weights/wq_spectral_norm/L{layer}H\d+").items()}
+        data = {k: _finite(*v) for k, v in series(r.records, keys.WQ_NORM.pattern(layer, heads=True)).items()}
         draw_head_norms(ax, data, layer)
         ax.set_title(r.name)
         div = r.summary.get("diverged_at")
@@ -136,14 +138,14 @@ def fig_wq_norms(study: Study, out: Path, layer: int) -> Figure | str:
 
 
 def fig_wq_layers(study: Study, out: Path, layer: int) -> Figure | str:
-    have = [r for r in study.runs if series(r.records, r"weights/wq_spectral_norm_max/L\d+")]
+    have = [r for r in study.runs if series(r.records, keys.WQ_NORM_MAX.pattern())]
     if not have:
-        return "W_Q norms per layer: skipped, no run has weights/wq_spectral_norm_max probe metrics"
+        return f"W_Q norms per layer: skipped, no run has {keys.WQ_NORM_MAX} probe metrics"
     run = next((r for r in have if r.name == "paper"), have[0])
-    data = series(run.records, r"weights/wq_spectral_norm_max/L\d+")
+    data = series(run.records, keys.WQ_NORM_MAX.pattern())
     fig, ax = _plt().subplots(figsize=(6.5, 3.8))
-    for key in sorted(data, key=lambda k: int(k.rsplit("L", 1)[1])):
-        l = int(key.rsplit("L", 1)[1])
+    for key in sorted(data, key=lambda k: keys.WQ_NORM_MAX.parse(k)[0]):
+        l = keys.WQ_NORM_MAX.parse(key)[0]
         ax.plot(*_finite(*data[key]), label=f"L{l}", linewidth=2.5 if l == layer else 1.2)
     ax.set_xlabel("step")
     ax.set_ylabel("max spectral norm over heads")
@@ -155,7 +157,7 @@ def fig_wq_layers(study: Study, out: Path, layer: int) -> Figure | str:
 
 
 def fig_grad_error(study: Study, out: Path, layer: int, colors) -> Figure | str:
-    runs = _with(study, f"grad/wq_err_sv1/L{layer}", groups=("main", "remedy"))
+    runs = _with(study, keys.wq_err_sv(1).key(layer), groups=("main", "remedy"))
     if not runs:
         return f"gradient error: skipped, no run has grad/wq_err_* probe metrics for layer {layer}"
     plt = _plt()
@@ -164,11 +166,11 @@ def fig_grad_error(study: Study, out: Path, layer: int, colors) -> Figure | str:
     for r in runs:
         col = colors[r.name]
         for i, ls in enumerate(styles, 1):
-            pts = [(x, y) for x, y in zip(*_get(r, f"grad/wq_err_sv{i}/L{layer}")) if y > 0]  # log axis
+            pts = [(x, y) for x, y in zip(*_get(r, keys.wq_err_sv(i).key(layer))) if y > 0]  # log axis
             a.plot([x for x, _ in pts], [y for _, y in pts], color=col, linestyle=ls,
                    linewidth=1.5 if i == 1 else 1, label=r.name if i == 1 else None)
-        b.plot(*_get(r, f"grad/wq_err_rank1_frac/L{layer}"), color=col, marker=".", label=r.name)
-        c.plot(*_get(r, f"grad/wq_err_cos_sum/L{layer}"), color=col, marker=".", label=r.name)
+        b.plot(*_get(r, keys.WQ_ERR_RANK1_FRAC.key(layer)), color=col, marker=".", label=r.name)
+        c.plot(*_get(r, keys.WQ_ERR_COS_SUM.key(layer)), color=col, marker=".", label=r.name)
     a.set_yscale("log")
     a.set_title("top singular values (sv1 solid, sv2 --, sv3 :, sv4 -.)")
     b.set_title("rank-1 fraction sv1^2 / sum sv^2")
@@ -187,7 +189,7 @@ def fig_grad_error(study: Study, out: Path, layer: int, colors) -> Figure | str:
 
 
 def fig_delta_bias(study: Study, out: Path, layer: int, colors) -> Figure | str:
-    key = f"numerics/delta_err_cumsum/L{layer}"
+    key = keys.DELTA_ERR_CUMSUM.key(layer)
     runs = [r for r in study.runs if _get(r, key)[0]]
     if not runs:
         return f"delta bias: skipped, no run has {key} probe metrics"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 
+from ... import keys
 from ...diagnostics.monitor import read_metrics
 from ...attention.error_stats import sign_test_p
 
@@ -79,18 +80,23 @@ def _c2(S, L):
 
 def _norm_growth(run_dir, L) -> dict:
     """First and last per-head W_Q spectral norms of layer L, and the layer with the largest final max."""
-    recs = [r for r in read_metrics(run_dir) if any(k.startswith("weights/wq_spectral_norm/") for k in r)]
+    recs = [r for r in read_metrics(run_dir) if any(keys.WQ_NORM.matches(k) for k in r)]
     if len(recs) < 2:
         return {}
     first, last = recs[0], recs[-1]
-    heads = sorted(k for k in last if k.startswith(f"weights/wq_spectral_norm/L{L}H"))
-    layers = sorted(k for k in last if k.startswith("weights/wq_spectral_norm_max/L"))
+    heads = []                     # (head, key) of layer L's per-head norms
+    for k in last:
+        where = keys.WQ_NORM.parse(k)
+        if where is not None and where[0] == L:
+            heads.append((where[1], k))
+    layers = [k for k in last if keys.WQ_NORM_MAX.matches(k)]
     if not heads:
         return {}
-    top = max(heads, key=lambda k: last[k])
-    return {"focus_head": top.rsplit("/", 1)[1], "focus_norm_first": first.get(top), "focus_norm_last": last[top],
-            "largest_layer": max(layers, key=lambda k: last[k]).rsplit("/", 1)[1] if layers else None,
-            "probe_steps": [first["step"], last["step"]]}
+    head, top = max(sorted(heads), key=lambda hk: last[hk[1]])
+    largest = max(layers, key=lambda k: last[k]) if layers else None
+    return {"focus_head": f"L{L}H{head}", "focus_norm_first": first.get(top), "focus_norm_last": last[top],
+            "largest_layer": f"L{keys.WQ_NORM_MAX.parse(largest)[0]}" if largest else None,
+            "probe_steps": [first[keys.STEP], last[keys.STEP]]}
 
 
 def _c3(S, L, dirs):
@@ -125,8 +131,8 @@ def _probe_series(run_dir, key: str) -> list[float]:
 def _c5(S, L, dirs):
     if "paper" not in dirs:
         return INCONCLUSIVE, "paper run missing", {}
-    rank1 = _probe_series(dirs["paper"], f"grad/wq_err_rank1_frac/L{L}")
-    cos = _probe_series(dirs["paper"], f"grad/wq_err_cos_prev/L{L}")
+    rank1 = _probe_series(dirs["paper"], keys.WQ_ERR_RANK1_FRAC.key(L))
+    cos = _probe_series(dirs["paper"], keys.WQ_ERR_COS_PREV.key(L))
     if len(rank1) < MIN_PROBES or len(cos) < MIN_PROBES - 1:
         return INCONCLUSIVE, f"only {len(rank1)} probes of layer {L} in the paper run (need {MIN_PROBES})", {}
     pos, neg = sum(c > 0 for c in cos), sum(c < 0 for c in cos)
@@ -143,7 +149,7 @@ def _c5(S, L, dirs):
 def _c6(S, L, dirs):
     if "paper" not in dirs:
         return INCONCLUSIVE, "paper run missing", {}
-    err = _probe_series(dirs["paper"], f"numerics/delta_err_mean/L{L}")
+    err = _probe_series(dirs["paper"], keys.DELTA_ERR_MEAN.key(L))
     if len(err) < MIN_PROBES:
         return INCONCLUSIVE, f"only {len(err)} probes of layer {L} in the paper run (need {MIN_PROBES})", {}
     pos, neg = sum(e > 0 for e in err), sum(e < 0 for e in err)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from ... import keys
 from ...diagnostics.monitor import read_metrics
 from ...train.config import load_config
 from ...train.divergence import LossWatch
@@ -21,32 +22,32 @@ def summarize_run(run: str | Path, steps: int | None = None) -> dict:
     if not (run / "metrics.jsonl").is_file():
         return {"steps": 0, "final_loss": None, "min_loss": None, "diverged_at": None, "divergence": None,
                 "max_grad_norm": None, "last_val": None, "wall_s": 0.0, "status": "missing", "precision": None}
-    recs = [r for r in read_metrics(run) if "loss/train" in r]
+    recs = [r for r in read_metrics(run) if keys.LOSS_TRAIN in r]
     cfg = load_config(run / "config.toml") if (run / "config.toml").is_file() else None
     watch = LossWatch(DIVERGENCE_FACTOR, after=cfg.optim.warmup_steps if cfg else 0)
     diverged_at = why = None
     for r in recs:
-        reason = watch.update(r["step"], r["loss/train"], r.get("grad/norm", 0.0))
+        reason = watch.update(r[keys.STEP], r[keys.LOSS_TRAIN], r.get(keys.GRAD_NORM, 0.0))
         if reason and diverged_at is None:
-            diverged_at, why = r["step"], reason
-    finite = [r["loss/train"] for r in recs if math.isfinite(r["loss/train"])]
-    grads = [r["grad/norm"] for r in recs if "grad/norm" in r]
-    vals = [r["loss/val"] for r in recs if "loss/val" in r]
+            diverged_at, why = r[keys.STEP], reason
+    finite = [r[keys.LOSS_TRAIN] for r in recs if math.isfinite(r[keys.LOSS_TRAIN])]
+    grads = [r[keys.GRAD_NORM] for r in recs if keys.GRAD_NORM in r]
+    vals = [r[keys.LOSS_VAL] for r in recs if keys.LOSS_VAL in r]
     target = steps if steps is not None else (cfg.train.steps if cfg else None)
     if diverged_at is not None:
         status = "diverged"
-    elif recs and target is not None and recs[-1]["step"] + 1 >= target:
+    elif recs and target is not None and recs[-1][keys.STEP] + 1 >= target:
         status = "done"
     else:
         status = "partial"
     return {
-        "steps": recs[-1]["step"] + 1 if recs else 0,
-        "final_loss": recs[-1]["loss/train"] if recs else None,
+        "steps": recs[-1][keys.STEP] + 1 if recs else 0,
+        "final_loss": recs[-1][keys.LOSS_TRAIN] if recs else None,
         "min_loss": min(finite) if finite else None,
         "diverged_at": diverged_at, "divergence": why,
         "max_grad_norm": max(grads) if grads else None,
         "last_val": vals[-1] if vals else None,
-        "wall_s": sum(r.get("time/step_s", 0.0) for r in recs),
+        "wall_s": sum(r.get(keys.STEP_TIME, 0.0) for r in recs),
         "status": status,
         "precision": cfg.attention.precision if cfg else None,
     }
