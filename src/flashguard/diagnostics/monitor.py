@@ -39,10 +39,12 @@ State: warning when a growth signal is at warning level, or two growth signals a
 level at once, or a growth signal and a mechanism signal are (growth while the mechanism is
 at work: the loop of the study closing); watch when any signal is at watch level; else ok.
 
-Offline: ``find_divergence`` (the first step with ``event/diverged``, a non-finite loss or
-gradient norm, or a 9-record median loss above 1.5x its best so far) and ``evaluate_run`` ->
-``RunEvaluation`` (first watch and warning, lead time = divergence step - first warning step,
-false alarm = a warning in a run that did not diverge). ``evaluate_runs`` summarises several
+Offline: ``evaluate_run`` -> ``RunEvaluation`` (first watch and warning, lead time = divergence
+step - first warning step, false alarm = a warning in a run that did not diverge). The
+divergence step is the package's one rule, ``flashguard.train.divergence.find_divergence``
+(loss >= 2 x its running minimum after warm-up, the run's own ``train.divergence_factor`` if
+set, a non-finite loss or gradient norm, or a step the trainer marked ``event/diverged``): the
+event that stops a run and decides the repro's claim C1. ``evaluate_runs`` summarises several
 runs: lead times, how many warned >= 200 steps ahead (the goal), false-alarm rate
 (command line: ``python -m flashguard.diagnostics.evaluate RUN_DIR ...``).
 """
@@ -56,6 +58,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .. import keys
+from ..train.divergence import find_divergence, rule_of
 from ..utils.jsonl import read_jsonl
 
 __all__ = ["OK", "WATCH", "WARNING", "STATE_NAMES", "MonitorThresholds", "MonitorStatus", "Monitor",
@@ -268,37 +271,6 @@ def read_metrics(path) -> list[dict]:
     return read_jsonl(p / "metrics.jsonl" if p.is_dir() else p, missing_ok=False)
 
 
-def find_divergence(records: list[dict], *, loss_factor: float = 1.5, smooth: int = 9,
-                    ignore_before: int = 0) -> tuple[int | None, str | None]:
-    """(step, reason) of the explosion, or (None, None): the first record with
-    ``event/diverged``, a non-finite ``loss/train`` or ``grad/norm``, or (from
-    ``ignore_before`` on) a median loss over ``smooth`` records above ``loss_factor`` times the
-    best such median so far."""
-    window: deque = deque(maxlen=smooth)
-    best = None
-    for r in records:
-        step = r.get(keys.STEP)
-        if step is None:
-            continue
-        loss, g = r.get(keys.LOSS_TRAIN), r.get(keys.GRAD_NORM)
-        if r.get(keys.DIVERGED):
-            return step, keys.DIVERGED
-        if isinstance(loss, (int, float)) and not math.isfinite(loss):
-            return step, f"loss {loss}"
-        if isinstance(g, (int, float)) and not math.isfinite(g):
-            return step, f"gradient norm {g}"
-        if not _finite(loss):
-            continue
-        window.append(loss)
-        if len(window) < window.maxlen or step < ignore_before:
-            continue
-        med = statistics.median(window)
-        if best is not None and med > loss_factor * best:
-            return step, f"median loss {med:.4g} > {loss_factor:g} x best {best:.4g}"
-        best = med if best is None else min(best, med)
-    return None, None
-
-
 @dataclass
 class RunEvaluation:
     run: str | None
@@ -332,34 +304,41 @@ class RunEvaluation:
         return f"{name}: no divergence in {self.last_step} steps; no warning{probes}"
 
 
-def _warmup_of(run_dir: Path) -> int | None:
+def _config_of(run_dir: Path):
+    """The run's RunConfig from its config.toml, or None (absent or unreadable)."""
     cfg = run_dir / "config.toml"
     if not cfg.is_file():
         return None
     try:
         from ..train.config import load_config
-        return load_config(cfg).optim.warmup_steps
+        return load_config(cfg)
     except (ValueError, OSError):
         return None
 
 
-def evaluate_run(metrics, thresholds: MonitorThresholds | None = None, *, loss_factor: float = 1.5,
-                 name: str | None = None) -> RunEvaluation:
+def evaluate_run(metrics, thresholds: MonitorThresholds | None = None, *, warmup: int | None = None,
+                 factor: float | None = None, name: str | None = None) -> RunEvaluation:
     """Replay a run's records (a list of dicts, a metrics.jsonl path or a run folder) through a
-    Monitor. Without explicit thresholds: ``MonitorThresholds.for_warmup`` of the run's warm-up
-    (from its config.toml)."""
+    Monitor and measure its lead time against the run's divergence step by the package's rule
+    (``flashguard.train.divergence``: the run's warm-up, its ``train.divergence_factor`` or 2, its
+    ``train.divergence_loss``, all from its config.toml; for a list of records, warm-up 0 and
+    factor 2). ``warmup`` / ``factor`` override those. Without explicit thresholds:
+    ``MonitorThresholds.for_warmup`` of the warm-up."""
+    cfg = None
     if isinstance(metrics, (str, Path)):
         p = Path(metrics)
         run_dir = p if p.is_dir() else p.parent
         records = read_metrics(p)
         name = name or run_dir.name
-        if thresholds is None:
-            thresholds = MonitorThresholds.for_warmup(_warmup_of(run_dir) or 0)
+        cfg = _config_of(run_dir)
     else:
         records = list(metrics)
-    th = thresholds or MonitorThresholds()
+    rule = rule_of(cfg, factor=factor)
+    if warmup is not None:
+        rule["after"] = int(warmup)
+    th = thresholds or MonitorThresholds.for_warmup(rule["after"])
     records = sorted((r for r in records if keys.STEP in r), key=lambda r: r[keys.STEP])
-    div_step, div_reason = find_divergence(records, loss_factor=loss_factor, ignore_before=th.ignore_before)
+    div_step, div_reason = find_divergence(records, **rule)
     mon = Monitor(th)
     first_watch = first_warning = None
     warnings = []

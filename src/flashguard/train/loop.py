@@ -229,7 +229,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
     # --- end diagnostics ---
 
     last_loss, diverged, step = float("nan"), False, start
-    watch = LossWatch(t.divergence_factor, after=o.warmup_steps)
+    watch = LossWatch(t.divergence_factor, after=o.warmup_steps, ceiling=t.divergence_loss)
     if resume:
         watch.best = state.get("loss_min", watch.best)
     try:
@@ -262,8 +262,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
             record = {keys.STEP: step, keys.LOSS_TRAIN: train_loss, keys.LR: lr, keys.GRAD_NORM: grad_norm}
             if diag is not None:  # (diagnostics) probes + monitor into the record, before optimizer.step()
                 diag.end(step, record, grad_scale=t.grad_accum)
-            bad = watch.update(step, train_loss, grad_norm) is not None or (
-                t.divergence_loss is not None and train_loss > t.divergence_loss)
+            bad = watch.update(step, train_loss, grad_norm) is not None
             if bad:
                 diverged = True
                 record[keys.DIVERGED] = 1

@@ -19,11 +19,12 @@ import torch
 
 from ...train import load_config, train
 from ...train.checkpoint import latest_checkpoint
+from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
 from ...train.loop import gpt_config
 from ...utils.atomic import atomic_write_text
 from .claims import CLAIMS, judge_claims
 from .presets import CLAIM_RUNS, ReproPreset, config_path, run_specs
-from .summary import DIVERGENCE_FACTOR, summarize_run
+from .summary import summarize_run
 
 __all__ = ["run_repro", "claims_markdown"]
 
@@ -95,7 +96,7 @@ def _write(out: Path, preset, specs, claims, steps, focus, common, remedies, see
     result = {"preset": preset.name, "about": preset.about, "config": preset.config, "steps": steps,
               "seed": seed,
               "base_precision": preset.precision, "focus_layer": focus,
-              "divergence_rule": f"loss >= {DIVERGENCE_FACTOR:g} x its running minimum after warm-up, or non-finite",
+              "divergence_rule": describe_rule(DIVERGENCE_FACTOR),
               "versions": _versions(), "runs": runs, "claims": verdicts,
               "remedies": _remedies(runs) if remedies else [], "lab": "lab" if (out / "lab" / "lab.json").exists() else None}
     out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,7 @@
-"""One line of numbers per training run, with the repro issue's divergence rule (LossWatch:
-the loss reaches 2x its running minimum after warm-up, or a non-finite loss or gradient)."""
+"""One line of numbers per training run, with the package's divergence rule
+(flashguard.train.divergence: the loss reaches 2x its running minimum after warm-up, or the
+run's own train.divergence_factor; a non-finite loss or gradient; a step the trainer marked
+event/diverged)."""
 from __future__ import annotations
 
 import math
@@ -8,11 +10,9 @@ from pathlib import Path
 from ... import keys
 from ...diagnostics.monitor import read_metrics
 from ...train.config import load_config
-from ...train.divergence import LossWatch
+from ...train.divergence import DIVERGENCE_FACTOR, find_divergence, rule_of
 
 __all__ = ["summarize_run", "DIVERGENCE_FACTOR"]
-
-DIVERGENCE_FACTOR = 2.0
 
 
 def summarize_run(run: str | Path, steps: int | None = None) -> dict:
@@ -24,12 +24,7 @@ def summarize_run(run: str | Path, steps: int | None = None) -> dict:
                 "max_grad_norm": None, "last_val": None, "wall_s": 0.0, "status": "missing", "precision": None}
     recs = [r for r in read_metrics(run) if keys.LOSS_TRAIN in r]
     cfg = load_config(run / "config.toml") if (run / "config.toml").is_file() else None
-    watch = LossWatch(DIVERGENCE_FACTOR, after=cfg.optim.warmup_steps if cfg else 0)
-    diverged_at = why = None
-    for r in recs:
-        reason = watch.update(r[keys.STEP], r[keys.LOSS_TRAIN], r.get(keys.GRAD_NORM, 0.0))
-        if reason and diverged_at is None:
-            diverged_at, why = r[keys.STEP], reason
+    diverged_at, why = find_divergence(recs, **rule_of(cfg))
     finite = [r[keys.LOSS_TRAIN] for r in recs if math.isfinite(r[keys.LOSS_TRAIN])]
     grads = [r[keys.GRAD_NORM] for r in recs if keys.GRAD_NORM in r]
     vals = [r[keys.LOSS_VAL] for r in recs if keys.LOSS_VAL in r]
