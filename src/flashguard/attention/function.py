@@ -133,7 +133,7 @@ def flash_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
     (B, H, T_q, T_k). ``is_causal``: top-left aligned, as torch SDPA. ``scale`` defaults to
     1/sqrt(D). ``precision``: a preset name (``fp32``, ``paper``, ``fa2``, ``fa2-fp16``,
     ``fa2-e4m3``, ``fa2-e5m2``, ``fp64``) or a PrecisionPolicy. ``stabilizer``: ``none``,
-    ``paper`` (``paper:beta=7,tol=1e-3``), ``safe`` or a Stabilizer. Tiles default to 512.
+    ``paper`` (``paper:beta=7,tol=1e-3``), ``safe`` or a Stabilizer. Unset tiles: 512 (pytorch), the kernels' own (triton).
     ``softcap``: attention-logit soft-capping, scores -> softcap * tanh(scores / softcap)
     (after scaling, before masks), as in Gemma 2.
     ``backend``: ``"pytorch"`` (the tiled PyTorch implementation: every policy and feature),

@@ -159,16 +159,3 @@ class TokenDataset:
             else:
                 x, y = x.to(device), y.to(device)
         return x, y
-
-    def get_batch(
-        self,
-        split: str,
-        batch_size: int,
-        block_size: int,
-        generator: torch.Generator,
-        device: torch.device | str | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``sample_indices`` then ``batch``: returns ``(x, y, indices)``."""
-        idx = self.sample_indices(split, batch_size, block_size, generator)
-        x, y = self.batch(split, idx, block_size, device=device)
-        return x, y, idx

@@ -29,6 +29,7 @@ import numpy as np
 from .. import __version__
 from ..utils.atomic import atomic_output, atomic_write_json, remove_stale_temp_files
 from .meta import FORMAT, FORMAT_VERSION, META_FILE, SPLIT_FILES, SPLITS, token_dtype, validate_dataset
+from .tokenizers import doc_separator_of
 
 __all__ = ["DatasetExistsError", "SplitWriter", "dataset_transaction", "check_existing", "ValSplitter"]
 
@@ -148,7 +149,7 @@ def build_meta(
         "tokenizer": str(tokenizer.name),
         "vocab_size": int(tokenizer.vocab_size),
         "eot": None if getattr(tokenizer, "eot", None) is None else int(tokenizer.eot),
-        "doc_separator": _sep(tokenizer),
+        "doc_separator": doc_separator_of(tokenizer),
         "tokenizer_note": tokenizer_note,
         "dtype": writer.dtype.name,
         "splits": {
@@ -174,12 +175,6 @@ def write_meta(out_dir: Path, meta: dict) -> dict:
         out_dir, meta["splits"]["train"]["tokens"], meta["splits"]["val"]["tokens"], meta["dtype"],
     )
     return meta
-
-
-def _sep(tokenizer) -> int | None:
-    from .tokenizers import doc_separator_of
-
-    return doc_separator_of(tokenizer)
 
 
 class ValSplitter:

@@ -37,7 +37,8 @@ class LayerCapture:
     do: torch.Tensor | None = None     # (B, H, T, D) dLoss / dO
     x: torch.Tensor | None = None      # (B, T, C) input of the fused qkv projection
     w_q: torch.Tensor | None = None    # (H, D, C) query weights per head (q_h = x @ w_q[h].T)
-    spec: object | None = None         # flashguard.model.AttentionSpec (None: flash fp32)
+    spec: object | None = None         # flashguard.model.AttentionSpec (None: unknown; the numerics
+                                       # probes then need an explicit precision, as for a non-flash layer)
     backend: str = "flash"             # the backend that actually ran (effective_backend)
     causal: bool = True
     scale: float | None = None         # None: 1 / sqrt(D)

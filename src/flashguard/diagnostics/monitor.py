@@ -7,7 +7,8 @@ trainer's own keys (``loss/train``, ``grad/norm``) every step and the probe keys
 ``evaluate_run`` replays a finished run and measures what the monitor would have said.
 
 Signals and thresholds (``MonitorThresholds``). Provisional: set from the study's account, the
-CPU probe runs in shared/cpu-probes.md and one stable 300-step tiny-cpu run with probes (bf16
+CPU probe runs of an earlier session (their notes are not in this repository;
+docs/cpu-reproduction.md states their outcome) and one stable 300-step tiny-cpu run with probes (bf16
 `paper` arithmetic: every W_Q head grew 0.48 -> 1.7 by step 175 at up to 1.6 per 100 steps,
 then levelled off below 0.5 per 100 steps; max |logit| reached 31). No divergent run with
 probes exists yet: recalibrate with ``evaluate_run`` when one does.

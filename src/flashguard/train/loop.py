@@ -33,7 +33,8 @@ __all__ = ["train", "TrainResult", "EXIT_OK", "EXIT_CONFIG", "EXIT_DIVERGED", "J
 
 EXIT_OK = 0        # finished
 EXIT_CONFIG = 2    # bad configuration, data or arguments (one line names the problem)
-EXIT_DIVERGED = 3  # loss non-finite or above train.divergence_loss; see RUN_DIR/divergence.json
+EXIT_DIVERGED = 3  # the divergence rule fired (train/divergence.py) and train.on_divergence = stop; see
+                   # RUN_DIR/divergence.json (with on_divergence = continue the run goes on and ends 0)
 
 
 @dataclass
