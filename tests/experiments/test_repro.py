@@ -1,11 +1,13 @@
-"""`flashguard repro`: the claims' verdict logic on fabricated run summaries, and a smoke run
+"""`flashguard repro`: the claims' verdict logic on fabricated run summaries and probe series, and a smoke run
 of every run and claim on the micro preset (and the study's GPT-2 preset at reduced size)."""
 import contextlib
 import json
+import math
 
 import pytest
 from run_helpers import crash_at
 
+from flashguard import keys
 from flashguard.cli import main
 from flashguard.experiments.repro import CLAIMS, get_preset, judge_claims, run_repro, run_specs
 from flashguard.train import JsonlLog
@@ -39,6 +41,61 @@ def test_nothing_to_localise_without_a_failure_and_fp32_failing_is_not_a_precisi
     assert calm["C1"] == "not held" and {calm[c] for c in ("C2", "C3", "C4", "C8")} == {"inconclusive"}
     assert _verdicts(fp32=_s(40), paper=_s(50))["C1"] == "inconclusive"
     assert _verdicts(fp32=_s(), paper=_s(status="partial"))["C1"] == "inconclusive"
+
+
+def _probed_paper_run(tmp_path, n, *, rank1, cos, delta, layer=1):
+    """A fabricated `paper` run folder: n probes of ``layer`` with these W_Q gradient-error
+    rank-1 shares and cosines (functions of the probe index; no cosine at the first probe, as
+    the probes write it) and mean delta errors."""
+    run = tmp_path / f"paper-{len(list(tmp_path.iterdir()))}"
+    run.mkdir()
+    recs = []
+    for i in range(n):
+        r = {"step": 10 * i, "loss/train": 2.0, keys.WQ_ERR_RANK1_FRAC.key(layer): rank1(i),
+             keys.DELTA_ERR_MEAN.key(layer): delta(i)}
+        if i:
+            r[keys.WQ_ERR_COS_PREV.key(layer)] = cos(i)
+        recs.append(r)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return run
+
+
+def _mechanism(run, claim):
+    (c,) = judge_claims({}, {"paper": run}, 1, [claim])
+    return c
+
+
+@pytest.mark.parametrize("rank1, cos, verdict", [
+    (lambda i: 0.9, lambda i: 0.6 + 0.01 * i, "held"),             # rank one, and it points the same way
+    (lambda i: 0.9, lambda i: (-1) ** i * 0.6, "not held"),         # rank one, direction does not persist
+    (lambda i: 0.3, lambda i: 0.6, "not held"),                     # persists but spread over many directions
+    (lambda i: 0.9, lambda i: -0.6, "not held"),                    # anti-aligned: the errors cancel
+])
+def test_c5_verdict_on_planted_gradient_error_structure(tmp_path, rank1, cos, verdict):
+    c = _mechanism(_probed_paper_run(tmp_path, 20, rank1=rank1, cos=cos, delta=lambda i: 0.0), "C5")
+    assert c["verdict"] == verdict, c["evidence"]
+    assert c["numbers"]["probes"] == 20
+
+
+@pytest.mark.parametrize("delta, verdict, why", [
+    (lambda i: 1e-4 * (1 + 0.5 * math.sin(i)), "held", None),     # the study's bias: positive every probe
+    (lambda i: (-1) ** i * 1e-4, "not held", "no consistent sign"),  # unbiased noise
+    (lambda i: -1e-4, "not held", None),                            # biased, but the other way
+])
+def test_c6_verdict_on_a_planted_delta_bias(tmp_path, delta, verdict, why):
+    c = _mechanism(_probed_paper_run(tmp_path, 20, rank1=lambda i: 0.9, cos=lambda i: 0.6, delta=delta), "C6")
+    assert c["verdict"] == verdict, c["evidence"]
+    assert why is None or why in c["evidence"]
+    assert c["numbers"]["pos"] + c["numbers"]["neg"] == 20
+
+
+def test_c5_c6_need_enough_probes_of_the_focus_layer(tmp_path):
+    few = _probed_paper_run(tmp_path, 5, rank1=lambda i: 0.9, cos=lambda i: 0.6, delta=lambda i: 1e-4)
+    other = _probed_paper_run(tmp_path, 20, rank1=lambda i: 0.9, cos=lambda i: 0.6, delta=lambda i: 1e-4, layer=0)
+    for run in (few, other):
+        for claim in ("C5", "C6"):
+            assert _mechanism(run, claim)["verdict"] == "inconclusive"
+    assert judge_claims({}, {}, 1, ["C5"])[0]["verdict"] == "inconclusive"   # no paper run
 
 
 def test_run_specs_differ_from_the_paper_run_in_one_option():
