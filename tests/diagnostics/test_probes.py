@@ -10,7 +10,6 @@ from diag_helpers import distinct_problem, tied_problem
 from flashguard.attention import flash_attention, reference_attention
 from flashguard.diagnostics import (LayerCapture, ProbeState, error_structure, map_dq_to_wq, probe_layer,
                                     shadow, weight_probe)
-from flashguard.diagnostics.probes import reference64, reference64_dq
 from flashguard.model import GPT, AttentionSpec, GPTConfig
 from flashguard.numerics import get_policy
 
@@ -182,16 +181,20 @@ def test_error_structure_of_a_rank_one_error():
     assert z["norm"] == 0.0 and z["rank1_frac"] == 0.0
 
 
-def test_fp64_shadow_backward_matches_reference_attention_autograd():
+def test_shadow_reference_is_reference_attention_with_autograd():
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(2, 3, 20, 8, generator=g, dtype=torch.float64) for _ in range(4))
     for softcap in (None, 5.0):
-        ref = reference64(q, k, v, causal=True, scale=0.3, softcap=softcap)
+        cap = LayerCapture(layer=0, q=q, k=k, v=v, do=do, causal=True, scale=0.3, softcap=softcap,
+                           spec=AttentionSpec(backend="flash", precision="fp64", block_q=8, block_k=8))
+        sh = shadow(cap)
         qq = q.clone().requires_grad_(True)
         o = reference_attention(qq, k, v, is_causal=True, scale=0.3, softcap=softcap)
         (dq,) = torch.autograd.grad(o, qq, do)
-        torch.testing.assert_close(ref.o, o.detach(), rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(reference64_dq(ref, k, v, do, scale=0.3), dq, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(sh.trace.o_ref, o.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(sh.dq_hp, dq, rtol=1e-10, atol=1e-12)
+        # the probabilities the sink metrics read are the reference's: rows sum to 1
+        torch.testing.assert_close(sh.p.sum(-1), torch.ones(2, 3, 20, dtype=torch.float64))
 
 
 def test_gradient_error_equals_flash_minus_reference_gradient_and_is_rank_one_for_one_input():

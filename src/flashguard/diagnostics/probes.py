@@ -18,13 +18,13 @@ Attention (``attention_metrics``, from the fp64 attention of the layer's inputs)
                                                under the causal mask)
   attn/sink_top_frac/Ll                      fraction of those rows whose largest weight is key 0
 
-Numerics (``numerics_metrics``; the layer's attention once more in the training policy,
-next to fp64; only for layers whose backend is flash, or with an explicit ``precision``):
+Numerics (``numerics_metrics``; the layer's attention once more in the training policy and
+tiles, next to fp64, measured by ``flashguard.attention.trace``; only for layers whose
+backend is flash, or with an explicit ``precision``):
   numerics/tie_rate/LlHh, numerics/tie_rate/Ll   fraction of (row, key tile) pairs whose maximum
-        repeats under the tie rule: >= 2 visible scores >= cast(r - tol) in the policy's scores
-        format, r the tile row's max. tol = the stabilizer's own (``paper``), else the study's
-        1e-3 (``none``, ``safe``: these have no tie rule; the rate then says how often the
-        paper's fix would fire)
+        repeats under the layer's stabilizer's own tie rule (``Stabilizer.tied``): an exact
+        repeat for ``none`` and ``safe``; >= 2 scores within ``tol`` of the max, compared in the
+        scores format, for ``paper``
   numerics/pbar_one/LlHh, numerics/pbar_one/Ll   fraction of visible Pbar entries exactly 1
   numerics/pbar_one_multi/Ll                     fraction of (row, tile) pairs with >= 2 of them
         (the study's trigger: several V rows enter PV with weight exactly 1)
@@ -64,19 +64,17 @@ import torch
 import torch.nn.functional as F
 
 from .. import keys
-from ..attention import DEFAULT_BLOCK, flash_backward, flash_forward, get_stabilizer
-from ..attention.flash import delta_preprocess
-from ..attention.stabilizers import count_true
-from ..numerics.arith import cast, rounding
+from ..attention import DEFAULT_BLOCK, get_stabilizer
+from ..attention.reference import causal_mask, reference_attention
+from ..attention.trace import Arithmetic, Trace, trace
 from ..numerics.policy import PrecisionPolicy, get_policy
 from .capture import LayerCapture, resolve_layers
 from .state import ProbeState
 
 __all__ = ["weight_probe", "spectral_norms", "Shadow", "shadow", "attention_metrics", "numerics_metrics",
            "gradient_error_metrics", "error_structure", "map_dq_to_wq", "probe_layer", "run_probes",
-           "reference64", "DEFAULT_TIE_TOL", "N_SINGULAR"]
+           "N_SINGULAR"]
 
-DEFAULT_TIE_TOL = 1e-3  # the study's tie rule: >= 2 scores within 1e-3 of the row max
 N_SINGULAR = 4          # singular values of the gradient error written to the metrics
 
 
@@ -113,70 +111,35 @@ def weight_probe(model, layers=None, *, step: int | None = None, state: ProbeSta
 
 
 # --------------------------------------------------------------------------------------------
-# fp64 reference with its probabilities (the oracle reference_attention, opened up: the probes
-# need P and one analytic backward; tests check both against reference_attention + autograd)
-
-@dataclass
-class Reference64:
-    s: torch.Tensor          # (B, H, T, T) scores (after scale and soft-cap), masked = -inf
-    p: torch.Tensor          # (B, H, T, T) probabilities
-    o: torch.Tensor          # (B, H, T, D)
-    keep: torch.Tensor | None  # (T, T) bool, True where visible (None: all)
-    tanh: torch.Tensor | None  # soft-cap tanh, for the backward
-
-
-def reference64(q, k, v, *, causal: bool, scale: float, softcap: float | None = None) -> Reference64:
-    q, k, v = (t.to(torch.float64) for t in (q, k, v))
-    s = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
-    t = None
-    if softcap is not None:
-        t = torch.tanh(s.div_(softcap))
-        s = t * softcap
-    keep = None
-    if causal:
-        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        s.masked_fill_(~keep, float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    return Reference64(s=s, p=p, o=p @ v, keep=keep, tanh=t)
-
-
-def reference64_dq(ref: Reference64, k, v, do, *, scale: float) -> torch.Tensor:
-    """dQ of the fp64 attention for output gradient ``do`` (fp64)."""
-    k, v, do = (t.to(torch.float64) for t in (k, v, do))
-    delta = (do * ref.o).sum(dim=-1, keepdim=True)
-    ds = torch.matmul(do, v.transpose(-2, -1)).sub_(delta).mul_(ref.p)      # P * (dP - delta)
-    if ref.tanh is not None:
-        ds.mul_(1.0 - ref.tanh * ref.tanh)
-    return torch.matmul(ds, k).mul_(scale)
-
-
-# --------------------------------------------------------------------------------------------
-# the shadow computation: the layer's attention in its policy next to fp64
+# the shadow computation: the layer's attention in its policy next to fp64, through the one
+# measurement (flashguard.attention.trace)
 
 @dataclass
 class Shadow:
-    """The layer's attention on one batch in the training policy and in fp64, and the tie
-    statistics the policy's forward saw (per head, summed over the batch)."""
+    """The layer's attention on one batch: the fp64 scores and probabilities (from the one
+    reference's lse) for the logit and sink metrics, and - for a layer with a policy - the
+    ``Trace`` of the policy's arithmetic against fp64 (errors of O, delta, dQ; ties per row)."""
 
     layer: int
     policy: PrecisionPolicy | None
     stabilizer: object | None
-    ref: Reference64
-    q_in: torch.Tensor                 # inputs rounded to the policy's input format
-    k_in: torch.Tensor
-    v_in: torch.Tensor
-    do_in: torch.Tensor | None
-    o_lp: torch.Tensor | None = None   # fp64 copies of the policy's results
-    delta_lp: torch.Tensor | None = None
-    delta_hp: torch.Tensor | None = None
-    dq_lp: torch.Tensor | None = None
-    dq_hp: torch.Tensor | None = None
-    rows: torch.Tensor | None = None           # (H,) (row, tile) pairs with a visible key
-    tied_rows: torch.Tensor | None = None      # (H,) of those, rows whose max repeats
-    entries: torch.Tensor | None = None        # (H,) visible Pbar entries
-    pbar_one: torch.Tensor | None = None       # (H,) of those, exactly 1
-    multi_one_rows: torch.Tensor | None = None  # (H,) (row, tile) pairs with >= 2 entries == 1
-    tie_tol: float | None = None
+    s: torch.Tensor                    # (B, H, T, T) fp64 scores (after scale and soft-cap), masked = -inf
+    p: torch.Tensor                    # (B, H, T, T) fp64 probabilities exp(S - lse_fp64)
+    keep: torch.Tensor | None          # (T, T) bool, True where visible (None: all)
+    v_in: torch.Tensor                 # V as the arithmetic received it (rounded to its inputs)
+    trace: Trace | None = None         # None for a layer without a policy
+
+    @property
+    def o_lp(self):
+        return None if self.trace is None else self.trace.o
+
+    @property
+    def dq_lp(self):
+        return None if self.trace is None else self.trace.dq
+
+    @property
+    def dq_hp(self):
+        return None if self.trace is None else self.trace.dq_ref
 
 
 def _resolve(cap: LayerCapture, precision, stabilizer):
@@ -192,53 +155,21 @@ def _resolve(cap: LayerCapture, precision, stabilizer):
     return get_policy(precision), get_stabilizer(stabilizer)
 
 
-class _TieCounter:
-    """``observe`` callback of flash_forward: per-head counts of ties and of Pbar == 1."""
-
-    def __init__(self, n_head: int, causal: bool, policy: PrecisionPolicy, tol: float, device):
-        self.causal, self.policy, self.tol = causal, policy, tol
-        z = lambda: torch.zeros(n_head, dtype=torch.float64, device=device)  # noqa: E731
-        self.rows, self.tied, self.entries, self.one, self.multi = z(), z(), z(), z(), z()
-
-    def __call__(self, tile, *, s, hidden, row_max, m_new, pbar, pv):
-        q0, q1, k0, k1 = tile
-        if self.causal and k0 > q1 - 1:
-            return  # a tile the causal mask hides completely (visited by the reference arithmetic only)
-        fmt = self.policy.scores
-        B = s.shape[0]
-        near = s >= cast(row_max - self.tol, fmt)
-        one = pbar == 1
-        if hidden is not None:
-            vis = ~hidden
-            near &= vis
-            one &= vis
-            if vis.dim() == 2:  # the causal mask of the tile, the same for every batch and head
-                row_vis = vis.any(dim=-1)                                # (n,)
-                rows = torch.full_like(self.rows, B * float(row_vis.sum()))
-                entries = torch.full_like(self.entries, B * float(vis.sum()))
-            else:
-                vis = vis.expand(s.shape)
-                row_vis = vis.any(dim=-1)                                # (B, H, n)
-                rows = row_vis.sum(dim=(0, 2), dtype=torch.float64)
-                entries = vis.sum(dim=(0, 2, 3), dtype=torch.float64)
-        else:
-            row_vis = None
-            rows = torch.full_like(self.rows, B * s.shape[2])
-            entries = torch.full_like(self.entries, B * s.shape[2] * s.shape[3])
-        tied = count_true(near.contiguous()).squeeze(-1) > 1             # (B, H, n)
-        n_one = count_true(one.contiguous()).squeeze(-1)
-        if row_vis is not None:
-            tied &= row_vis  # a row with nothing visible has no maximum to repeat
-        self.rows += rows
-        self.tied += tied.sum(dim=(0, 2), dtype=torch.float64)
-        self.entries += entries
-        self.one += n_one.sum(dim=(0, 2), dtype=torch.float64)
-        self.multi += (n_one >= 2).sum(dim=(0, 2), dtype=torch.float64)
+def _scores64(q, k, *, causal: bool, scale: float, softcap: float | None):
+    s = torch.matmul(q.to(torch.float64), k.to(torch.float64).transpose(-2, -1)).mul_(scale)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    keep = None
+    if causal:
+        keep = causal_mask(q.shape[-2], k.shape[-2], q.device)
+        s.masked_fill_(~keep, float("-inf"))
+    return s, keep
 
 
 def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = True) -> Shadow:
-    """Run the layer's attention on the captured batch in the training policy (with tie
-    counting) and in fp64; with ``grad`` (and a captured dO) also both backward passes.
+    """Run the layer's attention on the captured batch in the training policy (tiles as the
+    layer trains) and in fp64 (``attention.trace``); with ``grad`` (and a captured dO) also both
+    backward passes.
 
     The global RNG (used by stochastic rounding) is forked, so training is not disturbed."""
     policy, stab = _resolve(cap, precision, stabilizer)
@@ -246,44 +177,22 @@ def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = T
     dev = cap.q.device
     fork = torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else [])
     with torch.no_grad(), torch.autocast(dev.type, enabled=False), fork:
+        t = None
         if policy is None:
-            q_in, k_in, v_in, do_in = cap.q, cap.k, cap.v, cap.do
+            q_in, k_in, v_in = cap.q, cap.k, cap.v
+            _, lse = reference_attention(q_in, k_in, v_in, is_causal=cap.causal, scale=scale, softcap=cap.softcap,
+                                         return_lse=True)
         else:
-            q_in, k_in, v_in = (cast(t, policy.inputs) for t in (cap.q, cap.k, cap.v))
-            do_in = None if cap.do is None else cast(cap.do, policy.inputs)
-        ref = reference64(q_in, k_in, v_in, causal=cap.causal, scale=scale, softcap=cap.softcap)
-        sh = Shadow(layer=cap.layer, policy=policy, stabilizer=stab, ref=ref, q_in=q_in, k_in=k_in,
-                    v_in=v_in, do_in=do_in)
-        if policy is None:
-            return sh
-        tol = float(getattr(stab, "tol", DEFAULT_TIE_TOL))
-        counter = _TieCounter(cap.n_head, cap.causal, policy, tol, dev)
-        spec = cap.spec
-        block_q = getattr(spec, "block_q", None) or DEFAULT_BLOCK
-        block_k = getattr(spec, "block_k", None) or DEFAULT_BLOCK
-        keep_hp = policy.delta_source == "o_highp"
-        with rounding(policy.rounding):
-            o, lse, o_hp = flash_forward(q_in, k_in, v_in, keep=None, bias=None, causal=cap.causal, scale=scale,
-                                         policy=policy, stabilizer=stab, block_q=block_q, block_k=block_k,
-                                         keep_highp_o=keep_hp, softcap=cap.softcap, observe=counter)
-            sh.o_lp = o.to(torch.float64)
-            sh.rows, sh.tied_rows, sh.entries = counter.rows, counter.tied, counter.entries
-            sh.pbar_one, sh.multi_one_rows, sh.tie_tol = counter.one, counter.multi, tol
-            if do_in is not None:
-                d_lp = delta_preprocess(q_in, k_in, v_in, o, lse, do_in, o_hp, keep=None, bias=None,
-                                        causal=cap.causal, scale=scale, policy=policy, block_q=block_q,
-                                        block_k=block_k, softcap=cap.softcap)
-                do64 = do_in.to(torch.float64)
-                sh.delta_lp = d_lp.to(torch.float64)
-                sh.delta_hp = (do64 * ref.o).sum(dim=-1, keepdim=True)
-                if grad:
-                    dq, _, _ = flash_backward(q_in, k_in, v_in, o, lse, do_in, o_hp, keep=None, bias=None,
-                                              causal=cap.causal, scale=scale, policy=policy, block_q=block_q,
-                                              block_k=block_k, softcap=cap.softcap)
-                    # training hands dq on in the dtype q had (bf16 under autocast)
-                    sh.dq_lp = dq.to(cap.q.dtype).to(torch.float64)
-                    sh.dq_hp = reference64_dq(ref, k_in, v_in, do64, scale=scale)
-    return sh
+            spec = cap.spec
+            arith = Arithmetic(policy, stab, block_q=getattr(spec, "block_q", None) or DEFAULT_BLOCK,
+                               block_k=getattr(spec, "block_k", None) or DEFAULT_BLOCK)
+            t = trace(cap.q, cap.k, cap.v, cap.do, arith, causal=cap.causal, scale=scale, softcap=cap.softcap,
+                      grads=grad)
+            q_in, k_in, v_in, _ = t.inputs
+            lse = t.lse_ref
+        s, keep = _scores64(q_in, k_in, causal=cap.causal, scale=scale, softcap=cap.softcap)
+        p = torch.exp(s - lse.to(torch.float64).unsqueeze(-1))
+        return Shadow(layer=cap.layer, policy=policy, stabilizer=stab, s=s, p=p, keep=keep, v_in=v_in, trace=t)
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,12 +200,12 @@ def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = T
 
 def attention_metrics(sh: Shadow) -> dict:
     """Max |logit| and attention-sink indicators (fp64)."""
-    layer, ref = sh.layer, sh.ref
-    s = ref.s if ref.keep is None else ref.s.masked_fill(~ref.keep, 0.0)
-    max_logit = s.abs_().amax(dim=(0, 2, 3)) if ref.keep is not None else s.abs().amax(dim=(0, 2, 3))  # (H,)
-    p = ref.p[..., 1:, :] if ref.keep is not None else ref.p      # rows that have a choice
+    layer = sh.layer
+    s = sh.s if sh.keep is None else sh.s.masked_fill(~sh.keep, 0.0)
+    max_logit = s.abs_().amax(dim=(0, 2, 3)) if sh.keep is not None else s.abs().amax(dim=(0, 2, 3))  # (H,)
+    p = sh.p[..., 1:, :] if sh.keep is not None else sh.p          # rows that have a choice
     if p.shape[-2] == 0:
-        p = ref.p
+        p = sh.p
     sink = p[..., 0].mean(dim=(0, 2))                              # (H,)
     top_is_first = (p.argmax(dim=-1) == 0).to(torch.float64).mean()
     out = {}
@@ -317,16 +226,19 @@ def numerics_metrics(sh: Shadow, *, state: ProbeState | None = None, details: di
     """Tie rate, Pbar == 1, O error bias and the delta error (empty without a policy)."""
     if sh.policy is None:
         return {}
-    layer = sh.layer
+    layer, t = sh.layer, sh.trace
+    ties = t.ties
+    per_head = lambda x: x.sum(dim=(0, 2))  # noqa: E731  (B, H, T) -> (H,)
+    tiles, tied, entries, one = (per_head(x) for x in (ties.tiles, ties.tied, ties.entries, ties.pbar_one))
     out = {}
-    for h in range(sh.rows.shape[0]):
-        out[keys.TIE_RATE.key(layer, h)] = _ratio(sh.tied_rows[h], sh.rows[h])
-        out[keys.PBAR_ONE.key(layer, h)] = _ratio(sh.pbar_one[h], sh.entries[h])
-    out[keys.TIE_RATE.key(layer)] = _ratio(sh.tied_rows.sum(), sh.rows.sum())
-    out[keys.PBAR_ONE.key(layer)] = _ratio(sh.pbar_one.sum(), sh.entries.sum())
-    out[keys.PBAR_ONE_MULTI.key(layer)] = _ratio(sh.multi_one_rows.sum(), sh.rows.sum())
+    for h in range(tiles.shape[0]):
+        out[keys.TIE_RATE.key(layer, h)] = _ratio(tied[h], tiles[h])
+        out[keys.PBAR_ONE.key(layer, h)] = _ratio(one[h], entries[h])
+    out[keys.TIE_RATE.key(layer)] = _ratio(tied.sum(), tiles.sum())
+    out[keys.PBAR_ONE.key(layer)] = _ratio(one.sum(), entries.sum())
+    out[keys.PBAR_ONE_MULTI.key(layer)] = _ratio(ties.multi_one.sum(), tiles.sum())
 
-    err = sh.o_lp - sh.ref.o                                       # (B, H, T, D)
+    err = t.o_err                                                  # (B, H, T, D)
     bias_f = err.mean(dim=(0, 2))                                  # (H, D) per feature
     v_sign = torch.sign(sh.v_in.to(torch.float64).mean(dim=(0, 2)))
     out[keys.O_ERR_BIAS.key(layer)] = float(err.mean())
@@ -335,12 +247,12 @@ def numerics_metrics(sh: Shadow, *, state: ProbeState | None = None, details: di
     out[keys.O_ERR_BIAS_VSIGN.key(layer)] = float((bias_f * v_sign).mean())
     if details is not None:
         details["o_err_bias_per_feature"] = bias_f.tolist()
-    if sh.delta_lp is not None:
-        d = sh.delta_lp - sh.delta_hp
+    if t.delta is not None:
+        d = t.delta_err                                            # (B, H, T)
         mean = float(d.mean())
         out[keys.DELTA_ERR_MEAN.key(layer)] = mean
         out[keys.DELTA_ERR_ABS.key(layer)] = float(d.abs().mean())
-        out[keys.DELTA_ERR_REL.key(layer)] = _ratio(torch.tensor(mean), sh.delta_hp.abs().mean())
+        out[keys.DELTA_ERR_REL.key(layer)] = _ratio(torch.tensor(mean), t.delta_ref.abs().mean())
         out[keys.DELTA_ERR_POS_FRAC.key(layer)] = float((d > 0).to(torch.float64).mean())
         cum = mean
         if state is not None:
