@@ -1,2 +1,50 @@
-"""flashguard: find, explain and fix the loss explosions of low-precision flash attention."""
+"""flashguard: find, explain and fix the loss explosions of low-precision flash attention.
+
+    import flashguard
+    o = flashguard.flash_attention(q, k, v, is_causal=True, precision="fa2", stabilizer="none")
+    with flashguard.override_sdpa(precision="paper-fp32fwd"):
+        loss = model(x).loss                       # any model calling F.scaled_dot_product_attention
+    t = flashguard.trace(q, k, v, do, flashguard.Arithmetic.of("paper", "safe"))   # errors against fp64
+
+The names below are loaded on first use, so ``import flashguard`` does not import torch
+(and never matplotlib or triton); the subpackages (flashguard.attention, .numerics, .train,
+...) hold the rest.
+"""
+import importlib as _importlib
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "flash_attention": "flashguard.attention.function",
+    "scaled_dot_product_attention": "flashguard.attention.function",
+    "override_sdpa": "flashguard.attention.function",
+    "get_policy": "flashguard.numerics.policy",
+    "POLICIES": "flashguard.numerics.policy",
+    "get_stabilizer": "flashguard.attention.stabilizers",
+    "STABILIZERS": "flashguard.attention.stabilizers",
+    "trace": "flashguard.attention.trace",
+    "Arithmetic": "flashguard.attention.trace",
+}
+
+__all__ = list(_EXPORTS)
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names are loaded by __getattr__
+    from .attention.function import flash_attention, override_sdpa, scaled_dot_product_attention
+    from .attention.stabilizers import STABILIZERS, get_stabilizer
+    from .attention.trace import Arithmetic, trace
+    from .numerics.policy import POLICIES, get_policy
+del TYPE_CHECKING
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(_importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value   # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'flashguard' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(__all__) | {k for k in globals() if k.startswith("__")})
