@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 
 __all__ = ["STEP", "LOSS_TRAIN", "LOSS_VAL", "LR", "GRAD_NORM", "STEP_TIME", "TOKENS_PER_S", "DIVERGED",
-           "DIAGNOSTICS_TIME", "DIAGNOSTICS_FAILED", "MONITOR_STATE", "TRAINER_KEYS", "TIME_PREFIX",
+           "DIAGNOSTICS_TIME", "DIAGNOSTICS_FAILED", "MONITOR_STATE", "TRAINER_KEYS",
            "Metric", "PROBE_METRICS", "PROBE_NAMESPACES", "metric", "parse", "is_probe_key",
            "SPECTRAL_NORM", "GROWTH", "SPECTRAL_NORM_MAX", "GROWTH_MAX",
            "WQ_NORM", "WK_NORM", "WQ_GROWTH", "WK_GROWTH", "WQ_NORM_MAX", "WK_NORM_MAX", "WQ_GROWTH_MAX",
@@ -41,7 +41,6 @@ STEP_TIME = "time/step_s"
 TOKENS_PER_S = "time/tokens_per_s"
 DIVERGED = "event/diverged"          # 1 at a step the divergence rule fired (flashguard.train.divergence)
 TRAINER_KEYS = (LOSS_TRAIN, LOSS_VAL, LR, GRAD_NORM, STEP_TIME, TOKENS_PER_S, DIVERGED)
-TIME_PREFIX = "time/"                # wall-clock keys: differ between otherwise identical runs
 
 # ---- the diagnostics hook's keys (flashguard.diagnostics.trainer) ----------------------------
 DIAGNOSTICS_TIME = "time/diagnostics_s"   # cost of the probes, at the probe steps
