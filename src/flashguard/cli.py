@@ -25,18 +25,33 @@ def _add_lab(sub) -> None:
     p.add_argument("--out", default="lab", help="output folder for lab.json, lab.md and figures (default: lab)")
     p.add_argument("--policy", default="paper", help="arithmetic the study's facts are tested in (default: paper)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--capture", default=None, metavar="RUN_DIR",
+                   help="also measure the q, k, v, dO a training run's checkpoint saw (one problem per layer)")
+    p.add_argument("--capture-step", type=int, default=None, help="checkpoint step of --capture (default: latest)")
+    p.add_argument("--capture-batches", type=int, default=4, help="logged batches to capture (default: 4)")
 
 
 def _lab(args) -> int:
     from .experiments import lab
     from .experiments.lab.report import write_lab
-    result = lab.run_lab(quick=args.quick, policy=args.policy, seed=args.seed, progress=lambda m: print(f"  {m}"))
+    captured = None
+    if args.capture:
+        from .experiments.lab.captured import from_run
+        try:
+            captured = from_run(args.capture, step=args.capture_step, batches=args.capture_batches)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"flashguard lab: error: --capture {args.capture}: {e}", file=sys.stderr)
+            return 2
+    result = lab.run_lab(quick=args.quick, policy=args.policy, seed=args.seed, progress=lambda m: print(f"  {m}"),
+                         captured=captured)
     paths = write_lab(result, args.out)
     width = max(len(k) for k in result["verdicts"])
     for key, verdict in result["verdicts"].items():
         print(f"{key:<{width}}  {verdict}")
     for pol, answer in result["answers"].items():
         print(f"{pol}: {answer['line']}")
+    for pol, answer in (result.get("captured") or {}).get("answers", {}).items():
+        print(f"{pol} (captured): {answer['line']}")
     print(f"{len(result['rows'])} measurements in {result['runtime_s']:.0f} s; tables in {paths['md']}")
     return 0
 

@@ -120,30 +120,6 @@ def format_table(metrics: dict, layers: list[int], *, n_head: int | None = None,
     return out
 
 
-def _pick_checkpoint(run_dir: Path, step: int | None):
-    from ..train.checkpoint import list_checkpoints
-    found = list_checkpoints(run_dir)
-    if not found:
-        raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'}")
-    if step is None:
-        return found[-1]
-    for s, p in found:
-        if s == step:
-            return s, p
-    raise ValueError(f"no checkpoint at step {step} in {run_dir / 'checkpoints'}; "
-                     f"available: {', '.join(str(s) for s, _ in found)}")
-
-
-def _batch_for(run_dir: Path, step: int) -> tuple[int, list[int]]:
-    from ..utils.jsonl import read_jsonl
-    logged = {r["step"]: r["indices"] for r in read_jsonl(run_dir / "batches.jsonl") if "step" in r}
-    earlier = [s for s in logged if s <= step]
-    if not earlier:
-        raise ValueError(f"{run_dir / 'batches.jsonl'} has no batch at or before step {step}")
-    s = max(earlier)
-    return s, logged[s]
-
-
 def _clean(x):
     """JSON-safe: non-finite floats become None."""
     if isinstance(x, float):
@@ -160,29 +136,21 @@ def diagnose(run_dir, *, step: int | None = None, layers=None, data_dir=None, se
     """Run the probes on a checkpoint of ``run_dir``; returns the result dict written by the command."""
     import torch
 
-    from ..data import TokenDataset
-    from ..train.checkpoint import load_checkpoint
-    from ..train.config import config_from_dict
-    from ..train.loop import build_model
     from .capture import capture_batch, resolve_layers
     from .probes import run_probes
+    from .run_state import load_run_state, logged_batches
     from .state import ProbeState
 
     run_dir = Path(run_dir)
-    ckpt_step, ckpt_path = _pick_checkpoint(run_dir, step)
-    state = load_checkpoint(ckpt_path)
-    cfg = config_from_dict(state["config"])
-    data = TokenDataset(data_dir or cfg.data.dir)
-    model = build_model(cfg, data.vocab_size)
-    model.load_state_dict(state["model"])
-    model.to(device).eval()
+    rs = load_run_state(run_dir, step, data_dir=data_dir, device=device)
+    model, cfg, ckpt_step, ckpt_path = rs.model, rs.config, rs.step, rs.checkpoint
     layers = resolve_layers(model.config.n_layer, layers)
-    batch_step, indices = _batch_for(run_dir, ckpt_step)
+    ((batch_step, indices),) = logged_batches(run_dir, ckpt_step)
     if sequences is not None:
         if sequences < 1:
             raise ValueError(f"--sequences must be >= 1, got {sequences}")
         indices = indices[:sequences]
-    x, y = data.batch("train", torch.tensor(indices, dtype=torch.long), model.config.block_size)
+    x, y = rs.data.batch("train", torch.tensor(indices, dtype=torch.long), model.config.block_size)
     caps, loss = capture_batch(model, x, y, layers, autocast=cfg.train.autocast)
     pstate = None if fresh else ProbeState.load_before(run_dir, ckpt_step)
     continued = pstate is not None

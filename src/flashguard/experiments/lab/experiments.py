@@ -105,9 +105,10 @@ def _conditions(quick: bool, seed: int, n: int) -> dict[str, list[Problem]]:
 
 
 def run_lab(quick: bool = False, policy: str = "paper", seed: int = 0, progress=None,
-            n_rows: int | None = None) -> dict:
+            n_rows: int | None = None, captured=None) -> dict:
     """Run every experiment; ``policy`` is the arithmetic the study's facts (i)-(iii) are tested in;
-    ``n_rows`` (default 1,024 quick, 3,072 full) the independent rows per condition."""
+    ``n_rows`` (default 1,024 quick, 3,072 full) the independent rows per condition; ``captured``
+    (a list of ``captured.CapturedProblem``) adds the same measurement on real attention inputs."""
     n = n_rows or (1024 if quick else 3072)
     if n < 32:
         raise ValueError(f"run_lab: n_rows must be >= 32, got {n}")
@@ -213,7 +214,13 @@ def run_lab(quick: bool = False, policy: str = "paper", seed: int = 0, progress=
         for pol in ("fa2", "fa2[row_sum_rounded=true]", "fa2-e4m3", "fa2-e4m3[row_sum_rounded=true]"):
             cell(c, Arithmetic.of(pol), "pr2721")
 
-    return {"quick": quick, "policy": policy, "seed": seed, "n_rows": n, "runtime_s": time.perf_counter() - t0,
+    out_captured = None
+    if captured:
+        from .captured import run_captured
+        say("captured problems")
+        out_captured = run_captured(captured, FORMAT_POLICIES, bench=bench, progress=say)
+
+    return {"quick": quick, "policy": policy, "seed": seed, "n_rows": n, "captured": out_captured, "runtime_s": time.perf_counter() - t0,
             "versions": {"torch": torch.__version__}, "unit_note": "one value per independent row "
             "(per instance for sink problems); leans judged against the fp32 floor, paired",
             "rows": rows, "verdicts": verdicts, "details": details, "answers": answers}

@@ -21,7 +21,7 @@ __all__ = ["Measurement", "Bench"]
 
 @dataclass
 class Measurement:
-    problem: Problem
+    problem: object          # a lab Problem or a captured.CapturedProblem
     arithmetic: str          # Arithmetic.label()
     policy: str              # policy.short_str()
     stabilizer: str
@@ -65,15 +65,18 @@ class Bench:
         self._floors: dict = {}
         self._cells: dict = {}
 
-    def inputs(self, p: Problem):
+    def inputs(self, p):
+        """(q, k, v, do) of a lab ``Problem`` (made once) or of a captured problem (its own)."""
+        if not isinstance(p, Problem):
+            return p.inputs()
         if p not in self._inputs:
             self._inputs[p] = make_problem(p)
         return self._inputs[p]
 
-    def _trace(self, p: Problem, a: Arithmetic) -> Trace:
+    def _trace(self, p, a: Arithmetic) -> Trace:
         q, k, v, do = self.inputs(p)
         torch.manual_seed(p.seed)  # stochastic rounding, if the policy asks for it
-        return trace(q, k, v, do, a, grads=False)
+        return trace(q, k, v, do, a, grads=False, **getattr(p, "trace_kwargs", {}))
 
     def _floor(self, p: Problem, a: Arithmetic):
         fa = floor_arithmetic(a.policy)
@@ -84,7 +87,7 @@ class Bench:
                                  float(t.o_err.abs().mean()))
         return self._floors[key]
 
-    def measure(self, p: Problem, a: "Arithmetic | str") -> Measurement:
+    def measure(self, p, a: "Arithmetic | str") -> Measurement:
         if isinstance(a, str):
             a = Arithmetic.of(a)
         key = (p, a)
@@ -96,8 +99,10 @@ class Bench:
         fo, fd, f_mae = self._floor(p, a)
         ties = t.ties
         tile_pairs = float(ties.tiles.sum())
-        q, k, _, _ = t.inputs
-        tails = tail_mass(q, k) / half_ulp_bf16(p.ties)
+        tails = torch.tensor([float("nan")])
+        if isinstance(p, Problem):  # a planted problem: its tail mass in half-ulps of its ties
+            q, k, _, _ = t.inputs
+            tails = tail_mass(q, k) / half_ulp_bf16(p.ties)
         m = Measurement(
             problem=p, arithmetic=a.label(), policy=a.policy.short_str(), stabilizer=str(a.stabilizer),
             o=bias_stats(o_u, p.unit), delta=bias_stats(d_u, p.unit), o_vs_floor=paired_bias(o_u, fo, p.unit),

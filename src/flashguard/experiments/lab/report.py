@@ -91,6 +91,17 @@ def render_markdown(result: dict) -> str:
            "`row_sum_rounded=true` is the PR's fix (l sums the Pbar the numerator uses). No ties (k = 1).", ""]
     md.append(_table(["condition", "arithmetic", "O beyond floor", "O against fp64", "mean abs O error"],
                      [[r["condition"], f"`{r['arithmetic']}`", _vs(r), _vs(r, "o"), f"{r['o_mae']:.2e}"] for r in pr]))
+    cap = result.get("captured")
+    if cap:
+        md += ["", "## Captured problems: the attention inputs of a real run", "",
+               "One problem per layer (q, k, v, dO as the layer received them); **unit: one value per sequence",
+               "and head** (the rows of a sequence share its keys and values). Cells as above.", ""]
+        md += [f"* `{pol}`: {a['line']}" for pol, a in cap["answers"].items()]
+        arith = list(dict.fromkeys(r["arithmetic"] for r in cap["rows"]))
+        md += ["", "O beyond the floor:", ""]
+        md.append(_grid(cap["rows"], "captured", arith, "o_vs_floor"))
+        md += ["", "delta beyond the floor:", ""]
+        md.append(_grid(cap["rows"], "captured", arith, "delta_vs_floor", floor_row=False))
     md += ["", "Figures: `bias_vs_k.png`, `bias_vs_format.png`.", ""]
     return "\n".join(md)
 
