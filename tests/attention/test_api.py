@@ -21,6 +21,8 @@ X = torch.randn(2, 3, 10, 8)
     (dict(q=torch.ones(2, 3, 10, 8, dtype=torch.int32)), TypeError, "query must have a floating dtype"),
     (dict(v=[1.0]), TypeError, "value must be a torch.Tensor"),
     (dict(k=torch.randn(2, 3, 10, 8, device="meta")), ValueError, "one device"),
+    (dict(k=X.to(torch.bfloat16)), TypeError, "same dtype, got query torch.float32, key torch.bfloat16"),
+    (dict(v=X.to(torch.float64)), TypeError, "same dtype"),
     (dict(attn_mask=torch.ones(10, 9, dtype=torch.bool)), ValueError, "attn_mask of shape"),
     (dict(attn_mask=torch.ones(2, 3, 10, 10, 1, dtype=torch.bool)), ValueError, "attn_mask of shape"),
     (dict(attn_mask=torch.ones(10, 10, dtype=torch.int64)), TypeError, "attn_mask must be bool"),
@@ -36,6 +38,21 @@ def test_bad_input_names_the_problem(kwargs, exc, msg):
     q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
     with pytest.raises(exc, match=msg):
         flash_attention(q, k, v, **args)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32, torch.float32),
+                                    (torch.float32, torch.float32, torch.bfloat16),
+                                    (torch.float16, torch.bfloat16, torch.bfloat16)])
+def test_mixed_dtypes_are_refused_where_sdpa_refuses_them(dtypes):
+    q, k, v = (torch.randn(1, 2, 6, 8, dtype=dt) for dt in dtypes)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        F.scaled_dot_product_attention(q, k, v)   # torch's own refusal, on CPU
+    with pytest.raises(TypeError, match="same dtype"):
+        flash_attention(q, k, v)
+    with pytest.raises(TypeError, match="same dtype"):
+        scaled_dot_product_attention(q, k, v)
+    with override_sdpa(precision="fa2"), pytest.raises(TypeError, match="same dtype"):
+        F.scaled_dot_product_attention(q, k, v)
 
 
 def test_policy_fields_are_validated():

@@ -75,6 +75,9 @@ def _check_inputs(q, k, v, attn_mask):
             raise ValueError(f"{name} must be 4-D (batch, heads, seq_len, head_dim), got shape {tuple(t.shape)}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):  # refused as torch's scaled_dot_product_attention refuses it
+        raise TypeError(f"query, key and value must have the same dtype, got query {q.dtype}, key {k.dtype}, "
+                        f"value {v.dtype}")
     if q.shape[0] != k.shape[0] or k.shape[0] != v.shape[0]:
         raise ValueError(f"batch sizes differ: query {q.shape[0]}, key {k.shape[0]}, value {v.shape[0]}")
     if q.shape[1] != k.shape[1] or k.shape[1] != v.shape[1]:
