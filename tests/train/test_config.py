@@ -39,6 +39,10 @@ def test_overrides_are_typed_and_dotted(tmp_path):
     ("attention.backend=cuda", "attention.backend"),
     ("attention.layers.x.precision=fp32", "attention.layers.x"),
     ("attention.layers.1.colour=red", "attention.layers.1.colour"),
+    ("attention.precision=papr", r"^attention\.precision: unknown precision policy 'papr'; presets: fp32"),
+    ("attention.stabilizer=sfe", r"^attention\.stabilizer: unknown stabilizer 'sfe'; known: none"),
+    ("attention.layers.1.precision=fp31", r"^attention\.layers\.1\.precision: unknown precision policy"),
+    ("attention.layers.0.stabilizer=3", r"^attention\.layers\.0\.stabilizer: stabilizer must be a name"),
     ("data.batch_size=10", "data.batch_size"),  # with grad_accum = 4 below
     ("train.steps", "not key=value"),
 ])

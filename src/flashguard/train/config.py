@@ -211,6 +211,17 @@ def _validate(cfg: RunConfig) -> None:
         for sub in value:
             need(sub in ("backend", "precision", "stabilizer", "block_q", "block_k"),
                  f"attention.layers.{key}.{sub}", "is not an attention field")
+    # precision policies and stabilizers, refused under their config key (not the model's AttentionSpec)
+    from ..attention.stabilizers import get_stabilizer
+    from ..numerics.policy import get_policy
+    for where, table in [("attention", {"precision": a.precision, "stabilizer": a.stabilizer}),
+                         *((f"attention.layers.{k}", v) for k, v in a.layers.items())]:
+        for name, lookup in (("precision", get_policy), ("stabilizer", get_stabilizer)):
+            if name in table:
+                try:
+                    lookup(table[name])
+                except (ValueError, TypeError) as e:
+                    raise ConfigError(f"{where}.{name}: {e}") from None
 
 
 def parse_overrides(items: list[str]) -> dict:
