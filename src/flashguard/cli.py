@@ -13,7 +13,8 @@ def _add_train(sub) -> None:
     p = sub.add_parser("train", help="train a GPT-2 (single process, or under torchrun)",
                        description="Train with a TOML config; key=value arguments override it "
                                    "(e.g. train.steps=200 attention.precision=fa2 attention.layers.1.precision=fp32).")
-    p.add_argument("config", help="TOML config (see configs/); then any number of dotted key=value overrides")
+    p.add_argument("config", help="a shipped config's name (e.g. tiny-cpu) or a TOML file; then any number of "
+                                  "dotted key=value overrides")
     p.add_argument("--out", required=True, help="run folder (config.toml, metrics.jsonl, batches.jsonl, checkpoints/)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--replay", metavar="RUN_DIR", help="use the batches logged by another run, step for step")
@@ -58,7 +59,8 @@ def _lab(args) -> int:
 
 def _train(args) -> int:
     from .train import EXIT_DIVERGED, load_config, train
-    cfg = load_config(args.config, args.overrides)
+    from .train.shipped import find_config
+    cfg = load_config(find_config(args.config), args.overrides)
     result = train(cfg, args.out, resume=args.resume, replay=args.replay)
     if result.diverged and cfg.train.on_divergence == "stop":
         print(f"run diverged at step {result.steps_done}; see {args.out}/divergence.json", file=sys.stderr)

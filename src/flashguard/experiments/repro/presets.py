@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...numerics.policy import get_policy
+from ...train.shipped import shipped_configs
 
 __all__ = ["RunSpec", "ReproPreset", "PRESETS", "get_preset", "run_specs", "config_path", "CLAIM_RUNS"]
-
-CONFIG_DIR = Path(__file__).resolve().parents[4] / "configs"  # the repository's configs/
 
 
 @dataclass(frozen=True)
@@ -28,7 +27,7 @@ class RunSpec:
 @dataclass(frozen=True)
 class ReproPreset:
     name: str
-    config: str                # a TOML under configs/
+    config: str                # a shipped config (configs/*.toml, package data)
     precision: str             # arithmetic of the flash runs (a policy string)
     steps: int | None = None   # None: the config's train.steps
     focus_layer: int = 1       # the study's "layer 2"
@@ -61,10 +60,14 @@ def get_preset(name: str) -> ReproPreset:
 
 
 def config_path(preset: ReproPreset) -> Path:
-    path = CONFIG_DIR / preset.config
-    if not path.is_file():
-        raise FileNotFoundError(f"repro preset {preset.name!r} needs {path} (run from a source checkout)")
-    return path
+    """The preset's TOML: a shipped config, found by name in the installed package (never a file of
+    the same name in the working folder)."""
+    shipped = shipped_configs()
+    name = Path(preset.config).stem
+    if name not in shipped:
+        raise FileNotFoundError(f"repro preset {preset.name!r} needs the shipped config {preset.config!r}, "
+                                f"not found (shipped: {', '.join(shipped) or 'none'}); reinstall flashguard")
+    return shipped[name]
 
 
 def _with(precision: str, **fields) -> str:
