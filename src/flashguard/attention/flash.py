@@ -245,8 +245,14 @@ def delta_preprocess(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, 
 
 
 def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, scale: float,
-                   policy: PrecisionPolicy, block_q: int, block_k: int, softcap: float | None = None):
-    """Gradients (dq, dk, dv) in ``policy.grad_accum`` storage. ``do`` is rounded to inputs."""
+                   policy: PrecisionPolicy, block_q: int, block_k: int, softcap: float | None = None,
+                   delta_hook=None):
+    """Gradients (dq, dk, dv) in ``policy.grad_accum`` storage. ``do`` is rounded to inputs.
+
+    ``delta_hook``, if given, replaces the preprocess's delta before dS uses it: called as
+    ``delta_hook(delta, q=, k=, v=, do=, keep=, bias=, causal=, scale=, softcap=)`` with the
+    rounded inputs, it returns the delta to use, (B, H, T_q, 1) (the error-injection experiment:
+    flashguard.attention.injection.DeltaHook)."""
     do = cast(do, policy.inputs)
     Tq, Tk = q.shape[-2], k.shape[-2]
     acc = policy.grad_accum
@@ -264,6 +270,9 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
     # --- preprocess: delta, (B, H, T_q, 1) in the delta format
     delta = delta_preprocess(q, k, v, o, lse, do, o_highp, keep=keep, bias=bias, causal=causal, scale=scale,
                              policy=policy, block_q=block_q, block_k=block_k, softcap=softcap, operand=operand)
+    if delta_hook is not None:
+        delta = delta_hook(delta, q=q, k=k, v=v, do=do, keep=keep, bias=bias, causal=causal, scale=scale,
+                           softcap=softcap)
 
     # Accumulators start at +0 and are always added to, as the reference code's are (this also
     # keeps the sign of zero: +0 + -0 = +0).

@@ -20,7 +20,7 @@ from .stabilizers import Stabilizer, get_stabilizer
 from .triton_flash import triton_available, triton_flash_attention, triton_unsupported
 
 __all__ = ["flash_attention", "scaled_dot_product_attention", "override_sdpa", "DEFAULT_BLOCK", "KERNEL_BACKENDS",
-           "choose_backend"]
+           "choose_backend", "flash_attention_with_delta_hook"]
 
 # Tile edge used when block_q / block_k are not given: the study's reference code uses 512,
 # and on CPU large tiles keep the Python loop short. Production GPU kernels use 64-128.
@@ -35,7 +35,8 @@ KERNEL_BACKENDS = ("auto", "pytorch", "triton")
 
 class _FlashAttentionFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, keep, bias, causal, scale, policy, stabilizer, block_q, block_k, softcap):
+    def forward(ctx, q, k, v, keep, bias, causal, scale, policy, stabilizer, block_q, block_k, softcap,
+                delta_hook=None):
         with torch.autocast(q.device.type, enabled=False), rounding(policy.rounding):
             qc, kc, vc = (cast(t.detach(), policy.inputs) for t in (q, k, v))
             o, lse, o_hp = flash_forward(
@@ -43,18 +44,18 @@ class _FlashAttentionFn(torch.autograd.Function):
                 stabilizer=stabilizer, block_q=block_q, block_k=block_k,
                 keep_highp_o=policy.delta_source == "o_highp", softcap=softcap)
         ctx.save_for_backward(qc, kc, vc, o, lse, o_hp, keep, bias)
-        ctx.meta = (causal, scale, policy, block_q, block_k, softcap, q.dtype, k.dtype, v.dtype)
+        ctx.meta = (causal, scale, policy, block_q, block_k, softcap, q.dtype, k.dtype, v.dtype, delta_hook)
         return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
         qc, kc, vc, o, lse, o_hp, keep, bias = ctx.saved_tensors
-        causal, scale, policy, block_q, block_k, softcap, qdt, kdt, vdt = ctx.meta
+        causal, scale, policy, block_q, block_k, softcap, qdt, kdt, vdt, delta_hook = ctx.meta
         with torch.autocast(do.device.type, enabled=False), rounding(policy.rounding):
             dq, dk, dv = flash_backward(
                 qc, kc, vc, o, lse, do, o_hp, keep=keep, bias=bias, causal=causal, scale=scale,
-                policy=policy, block_q=block_q, block_k=block_k, softcap=softcap)
-        return dq.to(qdt), dk.to(kdt), dv.to(vdt), None, None, None, None, None, None, None, None, None
+                policy=policy, block_q=block_q, block_k=block_k, softcap=softcap, delta_hook=delta_hook)
+        return dq.to(qdt), dk.to(kdt), dv.to(vdt), None, None, None, None, None, None, None, None, None, None
 
 
 def _check_block(name, value):
@@ -145,6 +146,29 @@ def flash_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
     [16, 128], None = the kernels' own; NotImplementedError otherwise) or ``"auto"`` (triton
     when q is on CUDA, triton imports and the call is supported, else pytorch).
     """
+    return _flash_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, precision=precision,
+                            stabilizer=stabilizer, block_q=block_q, block_k=block_k, softcap=softcap,
+                            backend=backend, delta_hook=None)
+
+
+def flash_attention_with_delta_hook(q, k, v, *, delta_hook, attn_mask=None, is_causal=False, scale=None,
+                                    precision: "str | PrecisionPolicy" = "fa2",
+                                    stabilizer: "str | Stabilizer" = "none",
+                                    block_q: int | None = None, block_k: int | None = None,
+                                    softcap: float | None = None) -> torch.Tensor:
+    """``flash_attention`` (PyTorch backend) whose backward pass hands its delta to ``delta_hook``
+    and uses the delta it returns (see ``flash.flash_backward``): the error-injection experiment's
+    entry (flashguard.attention.injection.DeltaHook), reached from a model layer whose
+    AttentionSpec carries the hook. The forward pass and everything else are flash_attention's."""
+    if not callable(delta_hook):
+        raise TypeError(f"delta_hook must be callable, got {type(delta_hook).__name__}")
+    return _flash_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, precision=precision,
+                            stabilizer=stabilizer, block_q=block_q, block_k=block_k, softcap=softcap,
+                            backend="pytorch", delta_hook=delta_hook)
+
+
+def _flash_attention(q, k, v, *, attn_mask, is_causal, scale, precision, stabilizer, block_q, block_k, softcap,
+                     backend, delta_hook):
     _check_inputs(q, k, v, attn_mask)
     policy = get_policy(precision)
     stab = get_stabilizer(stabilizer)
@@ -168,7 +192,7 @@ def flash_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
         else:
             bias = attn_mask.detach()
     return _FlashAttentionFn.apply(q, k, v, keep, bias, bool(is_causal), float(scale), policy, stab,
-                                   *tiles, None if softcap is None else float(softcap))
+                                   *tiles, None if softcap is None else float(softcap), delta_hook)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,

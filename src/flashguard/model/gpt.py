@@ -30,13 +30,14 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention import flash_attention, get_stabilizer, reference_attention
+from ..attention.function import flash_attention_with_delta_hook
 from ..attention.stabilizers import Stabilizer
 from ..numerics.policy import PrecisionPolicy, get_policy
 
@@ -101,7 +102,7 @@ class GPTConfig:
 # which attention each layer runs
 
 BACKENDS = ("sdpa", "flash", "reference")
-_FLASH_ONLY = ("precision", "stabilizer", "block_q", "block_k")
+_FLASH_ONLY = ("precision", "stabilizer", "block_q", "block_k", "delta_hook")
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,10 @@ class AttentionSpec:
 
     ``precision`` (a flashguard preset name or a PrecisionPolicy), ``stabilizer`` (``none``,
     ``paper``, ``paper:beta=7``, ``safe`` or a Stabilizer) and the tile sizes ``block_q`` /
-    ``block_k`` (None = the library default) are used by the ``flash`` backend only.
+    ``block_k`` (None = the library default) are used by the ``flash`` backend only, and so is
+    ``delta_hook``: a callable the layer's backward pass hands its delta to and takes the delta
+    to use from (the error-injection experiment, flashguard.attention.injection; the PyTorch
+    flash path then runs, whatever the device).
     """
 
     backend: str = "sdpa"
@@ -118,6 +122,7 @@ class AttentionSpec:
     stabilizer: str | Stabilizer = "none"
     block_q: int | None = None
     block_k: int | None = None
+    delta_hook: Callable | None = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -135,6 +140,11 @@ class AttentionSpec:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"AttentionSpec.{name} must be None or an integer >= 1, got {value!r}")
+        if self.delta_hook is not None:
+            if not callable(self.delta_hook):
+                raise ValueError(f"AttentionSpec.delta_hook must be None or callable, got {self.delta_hook!r}")
+            if self.backend != "flash":
+                raise ValueError(f"AttentionSpec.delta_hook applies to the flash backend only, not {self.backend!r}")
 
     def short_str(self) -> str:
         """For run names and logs: ``sdpa``, ``reference``, ``flash[paper,safe]``, ``flash[fa2,none,128x128]``."""
@@ -243,6 +253,10 @@ class CausalSelfAttention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         if backend == "flash":
             s = self.spec
+            if s.delta_hook is not None:
+                return flash_attention_with_delta_hook(q, k, v, delta_hook=s.delta_hook, is_causal=True,
+                                                       precision=s.precision, stabilizer=s.stabilizer,
+                                                       block_q=s.block_q, block_k=s.block_k, softcap=self.softcap)
             return flash_attention(q, k, v, is_causal=True, precision=s.precision,
                                    stabilizer=s.stabilizer, block_q=s.block_q, block_k=s.block_k,
                                    softcap=self.softcap)

@@ -21,8 +21,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 __all__ = ["ConfigError", "DataConfig", "ModelConfig", "AttentionConfig", "OptimConfig", "TrainConfig",
-           "RunConfig", "load_config", "parse_overrides", "apply_overrides", "save_config", "config_to_toml",
-           "config_from_dict", "config_to_dict"]
+           "InjectionConfig", "RunConfig", "load_config", "parse_overrides", "apply_overrides", "save_config",
+           "config_to_toml", "config_from_dict", "config_to_dict", "injection_of"]
 
 
 class ConfigError(ValueError):
@@ -99,12 +99,25 @@ class TrainConfig:
 
 
 @dataclass
+class InjectionConfig:
+    """The error-injection experiment (flashguard.attention.injection): in the backward pass of the
+    chosen flash layers delta = delta_ref + alpha * rule(e), e = the arithmetic's delta - delta_ref."""
+    rule: str = "none"                # none (off) | real | coherent | zero-mean | shuffled
+    alpha: float = 1.0                # scale of the injected error (> 0)
+    p: float | None = None            # coherent only: probability of a positive sign, in [0, 1]
+    layers: list = field(default_factory=list)  # layer indices (e.g. [1]); empty: every flash layer
+    seed: int | None = None           # seed of the injection's own generator; unset: train.seed
+    reference: str = "fp64"           # arithmetic of the exact O_ref and delta_ref: fp64 | fp32
+
+
+@dataclass
 class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    injection: InjectionConfig = field(default_factory=InjectionConfig)
 
     def __post_init__(self):
         _validate(self)
@@ -153,7 +166,7 @@ def config_from_dict(raw: dict) -> RunConfig:
             raise ConfigError(f"[{name}] must be a table")
     for name, typ in _SECTIONS.items():
         cls = {"data": DataConfig, "model": ModelConfig, "attention": AttentionConfig,
-               "optim": OptimConfig, "train": TrainConfig}[name]
+               "optim": OptimConfig, "train": TrainConfig, "injection": InjectionConfig}[name]
         fields = {f.name: f for f in dataclasses.fields(cls)}
         kwargs = {}
         for key, value in raw.get(name, {}).items():
@@ -222,6 +235,39 @@ def _validate(cfg: RunConfig) -> None:
                     lookup(table[name])
                 except (ValueError, TypeError) as e:
                     raise ConfigError(f"{where}.{name}: {e}") from None
+    _validate_injection(cfg.injection)
+
+
+def _validate_injection(inj: "InjectionConfig") -> None:
+    layers = inj.layers
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers) \
+            or len(set(layers)) != len(layers):
+        raise ConfigError(f"injection.layers must be a list of distinct layer indices (e.g. [1]; empty: every "
+                          f"flash layer), got {layers!r}")
+    from ..attention.injection import RULES
+    if inj.rule not in ("none", *RULES):
+        raise ConfigError(f"injection.rule must be none (off) or one of {', '.join(RULES)}, got {inj.rule!r}")
+    if inj.rule == "none":
+        default = InjectionConfig()
+        set_ = [k for k in ("alpha", "p", "layers", "seed", "reference") if getattr(inj, k) != getattr(default, k)]
+        if set_:
+            raise ConfigError(f"injection.{set_[0]} is set but injection.rule = none (no injection); "
+                              "choose a rule: real, coherent, zero-mean or shuffled")
+        return
+    injection_of(inj, seed=0)  # the one validation of the options (DeltaInjection's), named by key
+
+
+def injection_of(inj: "InjectionConfig", seed: int):
+    """The DeltaInjection of an [injection] section (None for rule = none); ``seed`` is used when
+    injection.seed is unset (the trainer passes train.seed). ConfigError names a bad key."""
+    if inj.rule == "none":
+        return None
+    from ..attention.injection import DeltaInjection
+    try:
+        return DeltaInjection(alpha=inj.alpha, rule=inj.rule, p=inj.p,
+                              seed=seed if inj.seed is None else inj.seed, reference=inj.reference)
+    except ValueError as e:
+        raise ConfigError(f"injection.{e}") from None
 
 
 def parse_overrides(items: list[str]) -> dict:

@@ -144,6 +144,9 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
 
     torch.manual_seed(t.seed)
     model = build_model(cfg, data.vocab_size).to(device)
+    # [injection]: delta hooks in the chosen flash layers, their draws keyed by (seed, step, call, layer, rank)
+    from .injection import install_injection
+    injection = install_injection(model, cfg, rank=rank)
     block = model.config.block_size
     for split in ("train", "val"):
         if data.num_tokens(split) <= block + 1:
@@ -235,6 +238,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
         watch.best = state.get("loss_min", watch.best)
     try:
         for step in range(start, t.steps):
+            if injection is not None:
+                injection.begin_step(step)
             if diag is not None:  # (diagnostics) capture hooks when the probes are due
                 diag.begin(step)
             t0 = time.perf_counter()

@@ -1,0 +1,49 @@
+"""The [injection] section put into a model: one DeltaHook per chosen flash layer, one clock.
+
+    clock = install_injection(model, cfg, rank=rank)   # None when injection.rule = "none"
+    each step: clock.begin_step(step)                  # before the step's forward/backward
+
+The hooks ride on the layers' AttentionSpecs (``delta_hook``), so nothing global changes and a
+model built without them (diagnose, the report) runs the plain arithmetic. The draws depend on
+(injection seed, step, call within the step, layer, rank) only: a resumed or replayed run draws
+the same signs at the same steps without any state in the checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..attention.injection import DeltaHook, InjectionClock
+from .config import ConfigError, RunConfig, injection_of
+
+__all__ = ["install_injection", "injected_layers"]
+
+
+def injected_layers(model, layers) -> list[int]:
+    """The layers an injection goes into: ``layers`` (checked: they exist and run flash), or
+    every flash layer when empty. ConfigError names injection.layers."""
+    specs = model.attention_specs
+    flash = [i for i, s in enumerate(specs) if s.backend == "flash"]
+    if not layers:
+        if not flash:
+            raise ConfigError("injection: no layer runs the flash backend (the injection acts on its backward)")
+        return flash
+    for i in layers:
+        if not 0 <= i < len(specs):
+            raise ConfigError(f"injection.layers: layer {i} does not exist (layers 0..{len(specs) - 1})")
+        if specs[i].backend != "flash":
+            raise ConfigError(f"injection.layers: layer {i} runs the {specs[i].backend} backend, not flash")
+    return sorted(layers)
+
+
+def install_injection(model, cfg: RunConfig, *, rank: int = 0, observer=None) -> InjectionClock | None:
+    """Give the chosen flash layers of ``model`` (a GPT) a DeltaHook of ``cfg.injection`` sharing
+    one InjectionClock, which is returned (None, and the model untouched, for rule = none)."""
+    injection = injection_of(cfg.injection, seed=cfg.train.seed)
+    if injection is None:
+        return None
+    clock = InjectionClock(rank=rank)
+    specs = list(model.attention_specs)
+    for i in injected_layers(model, list(cfg.injection.layers)):
+        specs[i] = dataclasses.replace(specs[i], delta_hook=DeltaHook(injection, i, clock, observer=observer))
+    model.set_attention(specs)
+    return clock
