@@ -12,7 +12,12 @@ __all__ = ["add_repro_arguments", "run_repro_command"]
 
 def add_repro_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny-cpu", choices=list(PRESETS), help="training set-up (default: tiny-cpu)")
-    p.add_argument("--claims", default=",".join(CLAIMS),
+    p.add_argument("--experiment", default="claims", choices=("claims", "injection"),
+                   help="claims: the study's claims as matched runs (default); injection: the delta error-injection "
+                        "grid (alpha x sign rule) with its phase diagram, presets tiny-cpu and micro")
+    p.add_argument("--seeds", help="injection: comma-separated training seeds, every arm per seed (default: the "
+                                   "config's train.seed)")
+    p.add_argument("--claims", default=None,
                    help=f"comma-separated claims to test (default: all of {','.join(CLAIMS)}); only their runs are trained")
     p.add_argument("--remedies", action="store_true", help="also train QK-LayerNorm, z-loss and soft-capping runs "
                                                            "and write the remedies table")
@@ -22,13 +27,39 @@ def add_repro_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_repro_command(args) -> int:
-    claims = [c.strip().upper() for c in args.claims.split(",") if c.strip()]
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.experiment == "injection":
+        return _run_injection_command(args)
+    if args.seeds is not None:
+        raise ValueError("--seeds applies to --experiment injection only")
+    claims = [c.strip().upper() for c in (args.claims or ",".join(CLAIMS)).split(",") if c.strip()]
     result = run_repro(get_preset(args.preset), args.out, claims=claims, remedies=args.remedies, steps=args.steps,
                        overrides=args.overrides)
     width = max(len(c["id"]) for c in result["claims"])
     for c in result["claims"]:
         print(f"{c['id']:<{width}}  {c['verdict']:<12}  {c['evidence']}")
     print(f"claims and runs: {args.out}/claims.md; write the report with: flashguard report {args.out}")
+    return 0
+
+
+def _run_injection_command(args) -> int:
+    from ..injection import get_injection_preset, run_injection
+    if args.claims is not None or args.remedies:
+        raise ValueError("--claims and --remedies apply to --experiment claims, not injection")
+    seeds = None
+    if args.seeds is not None:
+        try:
+            seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        except ValueError:
+            raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
+        if not seeds:
+            raise ValueError("--seeds is empty")
+    result = run_injection(get_injection_preset(args.preset), args.out, seeds=seeds, steps=args.steps,
+                           overrides=args.overrides)
+    for col in result["columns"]:
+        print(f"alpha*({col}) {result['boundaries'][col]['text']}")
+    for c in result["claims"]:
+        print(f"{c['id']}  {c['verdict']:<12}  {c['evidence']}")
+    print(f"table and runs: {args.out}/injection.md; figures: {', '.join(result['figures'])}")
     return 0

@@ -26,7 +26,7 @@ from .claims import CLAIMS, judge_claims
 from .presets import CLAIM_RUNS, ReproPreset, config_path, run_specs
 from .summary import summarize_run
 
-__all__ = ["run_repro", "claims_markdown"]
+__all__ = ["run_repro", "claims_markdown", "train_run"]
 
 
 def _versions() -> dict:
@@ -41,7 +41,11 @@ def _needed(claims, focus: int) -> set[str]:
     return names
 
 
-def _train_one(spec, base: Path, common: list[str], steps: int, run_dir: Path, log) -> None:
+def train_run(spec, base: Path, common: list[str], steps: int, run_dir: Path, log) -> None:
+    """Train one matched run (``base`` config + ``common`` + ``spec.overrides``) into ``run_dir``:
+    skipped when finished, resumed from its last checkpoint when interrupted, started afresh
+    (the old folder moved aside) when it stopped before its first checkpoint. The injection
+    experiment (experiments/injection) trains its runs through this too."""
     cfg = load_config(base, [*common, *spec.overrides, f"train.steps={steps}"])
     status = summarize_run(run_dir, steps)["status"]
     if status in ("done", "diverged"):
@@ -80,7 +84,7 @@ def run_repro(preset: ReproPreset, out: str | Path, *, claims=None, remedies: bo
     t0 = time.perf_counter()
     for i, spec in enumerate(specs, 1):
         log(f"[{i}/{len(specs)}] {spec.name}: {spec.title}")
-        _train_one(spec, base, common, steps, out / "runs" / spec.name, log)
+        train_run(spec, base, common, steps, out / "runs" / spec.name, log)
         _write(out, preset, specs, claims, steps, focus, common, remedies, cfg0.train.seed)  # survives an interrupt
     result = _write(out, preset, specs, claims, steps, focus, common, remedies, cfg0.train.seed)
     result["wall_s"] = time.perf_counter() - t0

@@ -1,0 +1,94 @@
+"""The injection experiment's grids: which matched runs `flashguard repro --experiment injection` trains.
+
+An arm is one sign rule at one alpha (``[injection]`` overrides); every arm of a seed starts
+from the same config, seed and batch order as the repro preset it builds on, so arms differ in
+the injected delta error only. Columns of the phase diagram: ``zero-mean`` (coherent p = 1/2),
+``coherent`` at each p > 1/2 of the grid, ``shuffled``, ``real``. ``real`` at alpha = 1 is the
+arithmetic itself (bit-identical to no injection, tests/train/test_injection.py): every seed's
+baseline. It runs with the injection on, so that [injection] overrides given to every run (e.g.
+``injection.layers=[1]``: the one-layer variant) apply to it as well.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..repro.presets import RunSpec
+
+__all__ = ["InjectionPreset", "INJECTION_PRESETS", "get_injection_preset", "Arm", "arms", "columns"]
+
+
+@dataclass(frozen=True)
+class InjectionPreset:
+    name: str
+    repro: str                    # the repro preset (config, arithmetic, shared overrides) the runs build on
+    alphas: tuple[float, ...]     # sizes of the injected error, in units of the real error |e|
+    ps: tuple[float, ...]         # coherent p values; 0.5 is the zero-mean column
+    steps: int
+    diagnostics_every: int        # probes (W_Q norms, max logit) of every layer every N steps
+    # injection.reference of every run (an override may change it). fp32 for the paper arithmetic:
+    # its e (bf16-sized) moves by < 1e-3 of mean |e| against fp64 and keeps every sign
+    # (tests/train/test_injection.py), at 1.5x a step's cost instead of 2.2x (benchmarks/injection.py)
+    reference: str = "fp32"
+    overrides: tuple[str, ...] = field(default_factory=tuple)
+    about: str = ""
+
+
+INJECTION_PRESETS: dict[str, InjectionPreset] = {p.name: p for p in (
+    InjectionPreset("tiny-cpu", "tiny-cpu", alphas=(1, 3, 10, 30, 100), ps=(0.5, 0.6, 0.75, 1.0), steps=500,
+                    diagnostics_every=25,
+                    about="the tiny-cpu repro set-up (4 x 256, T = 256, paper arithmetic, lr 2e-3 constant): "
+                          "alpha in {1, 3, 10, 30, 100} x p in {0.5, 0.6, 0.75, 1} plus shuffled and real, "
+                          "500 steps"),
+    InjectionPreset("micro", "micro", alphas=(1, 10), ps=(0.5, 1.0), steps=30, diagnostics_every=10,
+                    about="smoke test: the micro model, alpha in {1, 10} x p in {0.5, 1} plus shuffled and real, "
+                          "30 steps (seconds)"),
+)}
+
+
+def get_injection_preset(name: str) -> InjectionPreset:
+    if name not in INJECTION_PRESETS:
+        raise ValueError(f"no injection grid for preset {name!r}; known: {', '.join(INJECTION_PRESETS)}")
+    return INJECTION_PRESETS[name]
+
+
+@dataclass(frozen=True)
+class Arm:
+    column: str          # zero-mean | coherent-p<p> | shuffled | real
+    rule: str
+    p: float | None
+    alpha: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.column}-a{self.alpha:g}"
+
+    @property
+    def baseline(self) -> bool:
+        return self.rule == "real" and self.alpha == 1
+
+    def run_spec(self, seed: int) -> RunSpec:
+        inj = [f'injection.rule="{self.rule}"', f"injection.alpha={float(self.alpha)!r}"]
+        if self.rule == "coherent":
+            inj.append(f"injection.p={float(self.p)!r}")
+        what = (f"sign + with probability {self.p:g}" if self.rule == "coherent" else
+                {"zero-mean": "random sign", "shuffled": "the values of e permuted across rows",
+                 "real": "e as computed"}[self.rule])
+        title = ("the arithmetic's own delta (real at alpha 1: bit-identical to no injection)" if self.baseline
+                 else f"delta = delta_ref + {self.alpha:g} x e, {what}")
+        return RunSpec(self.name, "injection", title, (*inj, f"train.seed={seed}"))
+
+
+def columns(ps) -> list[tuple[str, str, float | None]]:
+    """(column, rule, p) of the phase diagram, left to right: p ascending, then shuffled and real."""
+    out = []
+    for p in sorted(set(float(x) for x in ps)):
+        if not 0.5 <= p <= 1.0:
+            raise ValueError(f"coherent p must lie in [0.5, 1], got {p}")
+        out.append(("zero-mean", "zero-mean", None) if p == 0.5 else (f"coherent-p{p:g}", "coherent", p))
+    return out + [("shuffled", "shuffled", None), ("real", "real", None)]
+
+
+def arms(preset: InjectionPreset) -> list[Arm]:
+    """Every arm of the grid: the baseline first, then column by column, alpha ascending."""
+    out = [Arm(c, r, p, float(a)) for c, r, p in columns(preset.ps) for a in sorted(preset.alphas)]
+    return sorted(out, key=lambda a: not a.baseline)

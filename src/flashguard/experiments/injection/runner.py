@@ -1,0 +1,149 @@
+"""`flashguard repro --experiment injection`: the grid's matched runs, the phase diagram, the verdict.
+
+    OUT/injection.json   preset, grid, seeds, every run's overrides and outcome, cells, boundaries, verdict
+    OUT/injection.md     the phase table (alpha x column), boundaries alpha*(p), the verdict, the runs
+    OUT/phase.png        the phase diagram;  OUT/wq_norms.png  W_Q norms of the telling arms (first seed)
+    OUT/runs/s<SEED>/<ARM>/   each training run (config.toml with its [injection], metrics.jsonl, ...)
+
+Runs are trained by the repro's ``train_run`` (skip finished, resume interrupted), so rerunning
+the command continues where it stopped; the results are rewritten after every run. Every run
+of a seed shares the repro preset's config, that seed and its batch order; all layers are
+probed every ``diagnostics_every`` steps for the W_Q norms and max logits, and the trainer stops
+a run at the divergence rule (train.divergence_factor = 2).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ...train import build_model, load_config
+from ...train.injection import install_injection
+from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
+from ...utils.atomic import atomic_write_text
+from ..repro.presets import config_path, get_preset
+from ..repro.runner import _versions, train_run
+from .analysis import boundaries, cell_outcomes, judge_coherence, run_outcome
+from .figures import phase_diagram, wq_norms
+from .presets import InjectionPreset, arms, columns
+
+__all__ = ["run_injection", "injection_markdown"]
+
+
+def _common(preset: InjectionPreset, progress: bool, overrides) -> list[str]:
+    repro = get_preset(preset.repro)
+    return [*repro.overrides, *preset.overrides, f"attention.precision={repro.precision}",
+            f"train.diagnostics_every={preset.diagnostics_every}", "train.diagnostics_layers=[]",
+            f"train.divergence_factor={DIVERGENCE_FACTOR}", f"train.progress={'true' if progress else 'false'}",
+            f'injection.reference="{preset.reference}"', *overrides]
+
+
+def run_injection(preset: InjectionPreset, out: str | Path, *, seeds=None, steps: int | None = None,
+                  overrides=(), progress: bool = True, log=print) -> dict:
+    out = Path(out)
+    base = config_path(get_preset(preset.repro))
+    common = _common(preset, progress, list(overrides))
+    grid = arms(preset)
+    first = [o for o in grid[0].run_spec(0).overrides if not o.startswith("train.seed=")]
+    cfg0 = load_config(base, [*common, *first])  # validates the overrides before anything trains
+    seeds = [cfg0.train.seed] if not seeds else [int(s) for s in seeds]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds: repeated seed in {seeds}")
+    steps = steps or preset.steps
+    for arm in grid:  # every arm's config must load before anything trains ...
+        cfg = load_config(base, [*common, *arm.run_spec(seeds[0]).overrides])
+    install_injection(build_model(cfg), cfg)  # ... and fit the model (e.g. injection.layers)
+    t0 = time.perf_counter()
+    n = len(grid) * len(seeds)
+    i = 0
+    for seed in seeds:
+        for arm in grid:
+            i += 1
+            spec = arm.run_spec(seed)
+            log(f"[{i}/{n}] seed {seed} {arm.name}: {spec.title}")
+            train_run(spec, base, common, steps, out / "runs" / f"s{seed}" / arm.name, log)
+            _write(out, preset, grid, seeds, steps, common, figures=False)  # survives an interrupt
+    result = _write(out, preset, grid, seeds, steps, common, figures=True)
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def _write(out: Path, preset: InjectionPreset, grid, seeds, steps: int, common, *, figures: bool) -> dict:
+    cols = [c for c, _, _ in columns(preset.ps)]
+    alphas = sorted(float(a) for a in preset.alphas)
+    runs, outcomes, summaries = [], {}, {}
+    for seed in seeds:
+        for arm in grid:
+            d = out / "runs" / f"s{seed}" / arm.name
+            o = run_outcome(d, steps)
+            outcomes[(seed, arm.name)] = o
+            summaries.setdefault((arm.column, arm.alpha), {})[seed] = o["summary"]
+            runs.append({"name": arm.name, "seed": seed, "column": arm.column, "rule": arm.rule, "p": arm.p,
+                         "alpha": arm.alpha, "dir": f"runs/s{seed}/{arm.name}",
+                         "overrides": [*common, *arm.run_spec(seed).overrides], **o})
+    cells = cell_outcomes(summaries)
+    bounds = boundaries(cells, cols, alphas)
+    coherent = cols[-3] if cols[-3] != "zero-mean" else None  # the largest p > 0.5
+    verdict = (judge_coherence(cells, alphas, coherent=coherent) if coherent and "zero-mean" in cols else
+               {"id": "I1", "title": "", "verdict": "inconclusive",
+                "evidence": "the grid needs a zero-mean column (p = 0.5) and a coherent one (p > 0.5)", "numbers": {}})
+    result = {"experiment": "injection", "preset": preset.name, "about": preset.about, "repro_preset": preset.repro,
+              "steps": steps, "seeds": seeds, "alphas": alphas, "ps": list(preset.ps), "columns": cols,
+              "reference": preset.reference, "divergence_rule": describe_rule(DIVERGENCE_FACTOR),
+              "versions": _versions(), "runs": runs,
+              "cells": [{"column": c, "alpha": a, **cells[(c, a)]} for c in cols for a in alphas if (c, a) in cells],
+              "boundaries": bounds, "claims": [verdict], "figures": []}
+    out.mkdir(parents=True, exist_ok=True)
+    if figures:
+        phase_diagram(cells, cols, alphas, bounds, out / "phase.png",
+                      title=f"delta error injection, {preset.name}, {steps} steps, seeds {', '.join(map(str, seeds))}")
+        result["figures"].append("phase.png")
+        telling = ["real-a1", *(f"{coherent}-a{a:g}" for a in alphas), f"zero-mean-a{alphas[-1]:g}"]
+        first = {name: o for (seed, name), o in outcomes.items() if seed == seeds[0]}
+        if wq_norms(first, [a for a in telling if a in first], out / "wq_norms.png",
+                    title=f"W_Q spectral norms, seed {seeds[0]}") is not None:
+            result["figures"].append("wq_norms.png")
+    atomic_write_text(out / "injection.json", json.dumps(result, indent=1, default=float) + "\n")
+    atomic_write_text(out / "injection.md", injection_markdown(result))
+    return result
+
+
+def _cell(c: dict) -> str:
+    s = c["state"]
+    if s == "diverged":
+        return f"diverged @ {c['median_step']:g}" + (f" ({c['diverged']}/{c['seeds']})" if c["seeds"] > 1 else "")
+    if s == "trained":
+        return "trained" + (f" ({c['final_loss']:.2f})" if c["final_loss"] is not None else "")
+    if s == "split":
+        return f"split {c['diverged']}/{c['seeds']}"
+    return "-"
+
+
+def injection_markdown(result: dict) -> str:
+    cols, alphas = result["columns"], result["alphas"]
+    cells = {(c["column"], c["alpha"]): c for c in result["cells"]}
+    lines = [f"# flashguard injection experiment: {result['preset']}", "",
+             f"{result['about']}. delta = delta_ref + alpha * rule(e), e = delta_lp - delta_ref (O_ref in "
+             f"{result['reference']}); {result['steps']} steps, seeds {', '.join(map(str, result['seeds']))}. "
+             f"Divergence: {result['divergence_rule']}. A cell: diverged @ median step (seeds diverged / seeds), "
+             "or trained (median final loss).", "",
+             "| alpha | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for a in alphas:
+        lines.append(f"| {a:g} | " + " | ".join(_cell(cells[(c, a)]) if (c, a) in cells else "-" for c in cols) + " |")
+    lines.append("| **alpha\\*** | " + " | ".join(result["boundaries"][c]["text"] for c in cols) + " |")
+    lines += ["", "| claim | verdict | evidence |", "|---|---|---|"]
+    lines += [f"| {v['id']}: {v['title']} | **{v['verdict']}** | {v['evidence']} |" for v in result["claims"]]
+    lines += ["", "| run | seed | status | steps | diverged at | final loss | W_Q norm last (per layer) | "
+                  "max logit peak (per layer) |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        s = r["summary"]
+        wq = ", ".join(f"{v:.2f}" for _, v in sorted(r["wq_norm_last"].items())) or "-"
+        ml = ", ".join(f"{v:.1f}" for _, v in sorted(r["max_logit_peak"].items())) or "-"
+        fl = "-" if s["final_loss"] is None else f"{s['final_loss']:.3f}"
+        lines.append(f"| {r['name']} | {r['seed']} | {s['status']} | {s['steps']} | "
+                     f"{'-' if s['diverged_at'] is None else s['diverged_at']} | {fl} | {wq} | {ml} |")
+    if result["figures"]:
+        lines += [""] + [f"![{f}]({f})" for f in result["figures"]]
+    v = result["versions"]
+    lines += ["", f"flashguard {v['flashguard']}, torch {v['torch']}, Python {v['python']}."]
+    return "\n".join(lines) + "\n"
