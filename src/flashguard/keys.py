@@ -27,7 +27,7 @@ __all__ = ["STEP", "LOSS_TRAIN", "LOSS_VAL", "LR", "GRAD_NORM", "STEP_TIME", "TO
            "WQ_NORM", "WK_NORM", "WQ_GROWTH", "WK_GROWTH", "WQ_NORM_MAX", "WK_NORM_MAX", "WQ_GROWTH_MAX",
            "WK_GROWTH_MAX", "MAX_LOGIT", "SINK_MASS", "SINK_TOP_FRAC", "TIE_RATE", "PBAR_ONE", "PBAR_ONE_MULTI",
            "O_ERR_BIAS", "O_ERR_ABS", "O_ERR_BIAS_ABSMAX", "O_ERR_BIAS_VSIGN", "DELTA_ERR_MEAN", "DELTA_ERR_ABS",
-           "DELTA_ERR_REL", "DELTA_ERR_POS_FRAC", "DELTA_ERR_CUMSUM", "WQ_ERR_SV", "WQ_ERR_RANK1_FRAC",
+           "DELTA_ERR_REL", "DELTA_ERR_POS_FRAC", "DELTA_ERR_CUMSUM", "O_ERR_Z", "DELTA_ERR_Z", "WQ_ERR_SV", "WQ_ERR_RANK1_FRAC",
            "WQ_ERR_NORM", "WQ_ERR_REL", "WQ_ERR_COS_PREV", "WQ_ERR_COS_SUM", "WQ_ERR_ALIGN_TOP",
            "WQ_ERR_TOP_PUSH", "WQ_ERR_SV_PATTERN", "wq_err", "wq_err_sv", "parse_sv"]
 
@@ -136,6 +136,8 @@ DELTA_ERR_ABS = _m("numerics", "delta_err_abs")
 DELTA_ERR_REL = _m("numerics", "delta_err_rel")
 DELTA_ERR_POS_FRAC = _m("numerics", "delta_err_pos_frac")
 DELTA_ERR_CUMSUM = _m("numerics", "delta_err_cumsum")
+O_ERR_Z = _m("numerics", "o_err_z")          # z of O's error over (sequence, head) units
+DELTA_ERR_Z = _m("numerics", "delta_err_z")  # z of delta's error over (sequence, head) units
 
 # ---- the W_Q gradient error (gradient_error_metrics; names as error_structure gives them) ----
 _SV = re.compile(r"^sv(\d+)$")
@@ -184,7 +186,7 @@ PROBE_METRICS: tuple[Metric, ...] = (
     WQ_NORM, WK_NORM, WQ_GROWTH, WK_GROWTH, WQ_NORM_MAX, WK_NORM_MAX, WQ_GROWTH_MAX, WK_GROWTH_MAX,
     MAX_LOGIT, SINK_MASS, SINK_TOP_FRAC,
     TIE_RATE, PBAR_ONE, PBAR_ONE_MULTI, O_ERR_BIAS, O_ERR_ABS, O_ERR_BIAS_ABSMAX, O_ERR_BIAS_VSIGN,
-    DELTA_ERR_MEAN, DELTA_ERR_ABS, DELTA_ERR_REL, DELTA_ERR_POS_FRAC, DELTA_ERR_CUMSUM,
+    DELTA_ERR_MEAN, DELTA_ERR_ABS, DELTA_ERR_REL, DELTA_ERR_POS_FRAC, DELTA_ERR_CUMSUM, O_ERR_Z, DELTA_ERR_Z,
     *WQ_ERR_SV, WQ_ERR_RANK1_FRAC, WQ_ERR_NORM, WQ_ERR_REL, WQ_ERR_COS_PREV, WQ_ERR_COS_SUM, WQ_ERR_ALIGN_TOP,
     WQ_ERR_TOP_PUSH,
 )

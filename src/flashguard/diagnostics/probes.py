@@ -39,6 +39,9 @@ backend is flash, or with an explicit ``precision``):
   numerics/delta_err_abs/Ll, numerics/delta_err_rel/Ll (= mean / mean |delta_hp|)
   numerics/delta_err_pos_frac/Ll fraction of rows where delta_lp > delta_hp
   numerics/delta_err_cumsum/Ll   running sum of delta_err_mean over the probes so far (ProbeState)
+  numerics/o_err_z/Ll, numerics/delta_err_z/Ll   z of the mean error of O / delta over independent
+        units, one value per (sequence, head) (attention.error_stats): the rows of a sequence share
+        its keys and values; |z| >= 3.29 is a lean at p < 0.001 (against fp64, not the floor)
 
 Gradient error (``gradient_error_metrics``): E = J^T (dQ_policy - dQ_fp64), the part of the
 W_Q gradient error that the attention backward causes, mapped through the query projection
@@ -65,6 +68,7 @@ import torch.nn.functional as F
 
 from .. import keys
 from ..attention import DEFAULT_BLOCK, get_stabilizer
+from ..attention.error_stats import bias_stats, unit_means
 from ..attention.reference import causal_mask, reference_attention
 from ..attention.trace import Arithmetic, Trace, trace
 from ..numerics.policy import PrecisionPolicy, get_policy
@@ -245,6 +249,8 @@ def numerics_metrics(sh: Shadow, *, state: ProbeState | None = None, details: di
     out[keys.O_ERR_ABS.key(layer)] = float(err.abs().mean())
     out[keys.O_ERR_BIAS_ABSMAX.key(layer)] = float(bias_f.abs().max())
     out[keys.O_ERR_BIAS_VSIGN.key(layer)] = float((bias_f * v_sign).mean())
+    # the rows of a sequence share its keys and values: one value per (sequence, head)
+    out[keys.O_ERR_Z.key(layer)] = bias_stats(unit_means(err, "sequence"), "sequence").z
     if details is not None:
         details["o_err_bias_per_feature"] = bias_f.tolist()
     if t.delta is not None:
@@ -254,6 +260,7 @@ def numerics_metrics(sh: Shadow, *, state: ProbeState | None = None, details: di
         out[keys.DELTA_ERR_ABS.key(layer)] = float(d.abs().mean())
         out[keys.DELTA_ERR_REL.key(layer)] = _ratio(torch.tensor(mean), t.delta_ref.abs().mean())
         out[keys.DELTA_ERR_POS_FRAC.key(layer)] = float((d > 0).to(torch.float64).mean())
+        out[keys.DELTA_ERR_Z.key(layer)] = bias_stats(unit_means(d, "sequence", feature_dim=False), "sequence").z
         cum = mean
         if state is not None:
             if math.isfinite(mean):
