@@ -43,8 +43,11 @@ def phase_diagram(cells: dict, columns: list[str], alphas, bounds: dict, path, *
         for a in alphas:
             c = cells.get((col, a), {"state": "missing", "median_step": None})
             marker, colour, filled = STYLE[c["state"]]
-            ax.scatter([x], [a], marker=marker, s=110, c=colour if filled else "none", edgecolors=colour,
-                       linewidths=2, zorder=3)
+            if filled:  # x, square, ?: one colour
+                ax.scatter([x], [a], marker=marker, s=110, c=colour, linewidths=2, zorder=3)
+            else:       # an open circle
+                ax.scatter([x], [a], marker=marker, s=110, facecolors="none", edgecolors=colour, linewidths=2,
+                           zorder=3)
             if c["state"] in ("diverged", "split") and c.get("median_step") is not None:
                 ax.annotate(f"{c['median_step']:g}", (x, a), textcoords="offset points", xytext=(9, -3), fontsize=7)
     coherent = [(x, col) for x, col in enumerate(columns) if col == "zero-mean" or col.startswith("coherent")]
@@ -59,7 +62,7 @@ def phase_diagram(cells: dict, columns: list[str], alphas, bounds: dict, path, *
                         arrowprops=dict(arrowstyle="->", color="#1565c0"))
     if xs:
         ax.plot(xs, ys, "-", color="#1565c0", lw=1.5, zorder=2, label="boundary alpha*(p)")
-        ax.legend(loc="lower left", fontsize=8)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     labels = [("zero-mean\n(p = 0.5)" if c == "zero-mean" else c.replace("coherent-p", "coherent\np = ")) for c in columns]
     ax.set_xticks(range(len(columns)), labels, fontsize=8)
     ax.set_yscale("log")
@@ -77,20 +80,20 @@ def wq_norms(outcomes: dict, arms: list[str], path, *, title: str = "") -> Path 
     if not layers:
         return None
     plt = _plt()
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
     fig, axes = plt.subplots(1, len(layers), figsize=(3.6 * len(layers), 3.2), squeeze=False)
     cmap = plt.get_cmap("tab10")
     for ax, layer in zip(axes[0], layers):
+        values = []
         for i, name in enumerate(arms):
             pts = outcomes.get(name, {}).get("wq_norm", {}).get(layer)
             if pts:
                 ax.plot([s for s, _ in pts], [v for _, v in pts], "-o", ms=2.5, lw=1.2, color=cmap(i % 10),
                         label=name)
+                values += [v for _, v in pts if v > 0]
         ax.set_title(f"layer {layer}", fontsize=9)
         ax.set_xlabel("step")
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(ScalarFormatter())
-        ax.yaxis.set_minor_formatter(NullFormatter())
+        if values and max(values) > 10 * min(values):  # a runaway: log scale
+            ax.set_yscale("log")
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("W_Q spectral norm (max over heads)")
     axes[0][-1].legend(fontsize=7, loc="upper left")
