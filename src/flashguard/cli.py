@@ -1,5 +1,9 @@
 """flashguard: find, explain and fix the loss explosions of low-precision flash attention.
 
+First look: `flashguard showcase` (seconds: the tie bias of bf16 flash attention, per arithmetic).
+The main job: `flashguard demo` (minutes on a CPU: lab, matched training runs, claims, report.html).
+`flashguard COMMAND --help` describes each command.
+
 Exit codes: 0 done; 2 bad arguments, configuration or data (one line names the problem);
 3 a training run diverged (see RUN_DIR/divergence.json); 1 anything unexpected.
 """
@@ -7,12 +11,33 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 
-def _add_train(sub) -> None:
+def _wrap(text: str, hang: str = "") -> str:
+    """Help text wrapped line by line (the parsers keep line breaks: RawDescriptionHelpFormatter)."""
+    return "\n".join(textwrap.fill(line, 79, subsequent_indent=hang) for line in text.split("\n"))
+
+
+def _values() -> str:
+    """The valid values of the options that take a policy, a stabilizer or a config, from their registries."""
+    from .attention.stabilizers import STABILIZERS
+    from .experiments.repro.presets import PRESETS
+    from .numerics.policy import POLICIES
+    from .train.shipped import shipped_configs
+    return _wrap(f"precision policies (attention.precision, lab --policy): {', '.join(POLICIES)}, "
+            f"or one with changed fields as 'paper[pv=fp32]';\n"
+            f"stabilizers (attention.stabilizer): {', '.join(STABILIZERS)}, with options as 'paper:beta=7,tol=1e-3';\n"
+            f"shipped configs (flashguard train NAME): {', '.join(shipped_configs())};\n"
+            f"repro presets (repro --preset): {', '.join(PRESETS)}.", hang="  ")
+
+
+def _add_train(sub, values: str) -> None:
     p = sub.add_parser("train", help="train a GPT-2 (single process, or under torchrun)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
                        description="Train with a TOML config; key=value arguments override it "
-                                   "(e.g. train.steps=200 attention.precision=fa2 attention.layers.1.precision=fp32).")
+                                   "(e.g. train.steps=200 attention.precision=fa2 attention.layers.1.precision=fp32).",
+                       epilog="Valid values:\n" + values)
     p.add_argument("config", help="a shipped config's name (e.g. tiny-cpu) or a TOML file; then any number of "
                                   "dotted key=value overrides")
     p.add_argument("--out", required=True, help="run folder (config.toml, metrics.jsonl, batches.jsonl, checkpoints/)")
@@ -20,11 +45,23 @@ def _add_train(sub) -> None:
     p.add_argument("--replay", metavar="RUN_DIR", help="use the batches logged by another run, step for step")
 
 
-def _add_lab(sub) -> None:
-    p = sub.add_parser("lab", help="rounding-bias lab: the study's arithmetic facts with verdicts, open questions")
-    p.add_argument("--quick", action="store_true", help="fewer conditions and instances (about 30 s)")
-    p.add_argument("--out", default="lab", help="output folder for lab.json, lab.md and figures (default: lab)")
-    p.add_argument("--policy", default="paper", help="arithmetic the study's facts are tested in (default: paper)")
+def _add_lab(sub, values: str) -> None:
+    from .numerics.policy import POLICIES
+    p = sub.add_parser("lab", help="rounding-bias lab: the study's arithmetic facts with verdicts, open questions",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description=_wrap("Measures attention arithmetics on rows with planted ties against fp64 "
+                                         "and the fp32 noise floor: the study's facts (i)-(iii) in --policy with "
+                                         "verdicts, which arithmetic leans under ties and which stabilizer removes "
+                                         "it, where the bias enters, FlashAttention PR #2721. Writes lab.json, "
+                                         "lab.md and figures."),
+                       epilog="Valid values:\n" + values)
+    p.add_argument("--quick", action="store_true", help="fewer conditions and instances (about 45 s on one core)")
+    p.add_argument("--out", default=None, help="output folder for lab.json, lab.md and figures (default: lab for "
+                                               "the default policy, lab-POLICY for another, so that one policy's "
+                                               "results never overwrite another's)")
+    p.add_argument("--policy", default="paper",
+                   help=f"arithmetic the study's facts are tested in: {', '.join(POLICIES)} "
+                        "or 'preset[field=value,...]' (default: paper)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--capture", default=None, metavar="RUN_DIR",
                    help="also measure the q, k, v, dO a training run's checkpoint saw (one problem per layer)")
@@ -32,9 +69,19 @@ def _add_lab(sub) -> None:
     p.add_argument("--capture-batches", type=int, default=4, help="logged batches to capture (default: 4)")
 
 
+def lab_out(policy: str) -> str:
+    """`flashguard lab`'s default output folder for a policy: lab (the default policy), lab-POLICY otherwise."""
+    if policy == "paper":
+        return "lab"
+    return "lab-" + "".join(c if c.isalnum() or c in "-_.=" else "_" for c in policy).strip("_")
+
+
 def _lab(args) -> int:
     from .experiments import lab
     from .experiments.lab.report import write_lab
+    from .numerics.policy import get_policy
+    get_policy(args.policy)  # a typo is refused before anything runs
+    out = args.out if args.out is not None else lab_out(args.policy)
     captured = None
     if args.capture:
         from .experiments.lab.captured import from_run
@@ -45,7 +92,7 @@ def _lab(args) -> int:
             return 2
     result = lab.run_lab(quick=args.quick, policy=args.policy, seed=args.seed, progress=lambda m: print(f"  {m}"),
                          captured=captured)
-    paths = write_lab(result, args.out)
+    paths = write_lab(result, out)
     width = max(len(k) for k in result["verdicts"])
     for key, verdict in result["verdicts"].items():
         print(f"{key:<{width}}  {verdict}")
@@ -71,23 +118,44 @@ def _train(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flashguard", description=__doc__,
+    values = _values()
+    parser = argparse.ArgumentParser(prog="flashguard", description=__doc__, epilog="Valid values:\n" + values,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="the main job (minutes on a CPU): lab, matched training runs, claims and a report")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    d = sub.add_parser("demo", help="the main job (minutes on a CPU): lab, matched training runs, claims and a report",
+                       description=_wrap("Prepares the embedded corpus (no network), runs the rounding-bias lab "
+                                         "(quick), trains fp32 attention, the study's reference arithmetic with no "
+                                         "fix, with the study's fix and with safe on the same batches with the "
+                                         "mechanism probes on, judges claims C1, C5, C6, C8 and writes "
+                                         "OUT/report/report.html. Rerun to resume. Finished runs keep no "
+                                         "checkpoints (the report reads their metrics) unless --keep-checkpoints."))
     d.add_argument("--out", default="demo", help="output folder (default: demo); rerun to resume")
     d.add_argument("--data", default="data/embedded", help="corpus folder, prepared there if missing "
                                                            "(default: data/embedded)")
-    d.add_argument("--steps", type=int, help="steps per training run (default: 200)")
-    sub.add_parser("showcase", help="one-minute tour: tie-induced rounding bias and its fixes")
+    d.add_argument("--steps", type=int, help="steps per training run, >= 1 (default: 200)")
+    d.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep each run's last checkpoint (about 40 MB each; for flashguard diagnose)")
+    sub.add_parser("showcase", help="the first look (seconds): tie-induced rounding bias per arithmetic and its fixes",
+                   description=_wrap("One lab problem (1,024 rows with 8 keys tied at the maximum) through the "
+                                     "reference arithmetic with no fix, the study's fix and safe, paper-fp32fwd "
+                                     "and production fa2: the lean of O and delta beyond the fp32 noise floor, "
+                                     "with z. Writes nothing."))
     from .data.command import add_prepare_arguments, run_prepare
     add_prepare_arguments(sub.add_parser("prepare", help="tokenize a corpus into nanoGPT-style train.bin / val.bin"))
-    _add_train(sub)
-    _add_lab(sub)
+    _add_train(sub, values)
+    _add_lab(sub, values)
     from .diagnostics.command import add_diagnose_arguments, run_diagnose
     add_diagnose_arguments(sub.add_parser("diagnose", help="run the mechanism probes on a run's checkpoint and batch"))
     from .experiments.repro.command import add_repro_arguments, run_repro_command
-    add_repro_arguments(sub.add_parser("repro", help="the study's claims as matched training runs, with verdicts"))
+    repro = sub.add_parser(
+        "repro", help="the study's claims as matched training runs, with verdicts",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_wrap("Trains a preset's matched runs (same seed, same batches): fp32 attention, the "
+                          "reference arithmetic with no fix, the study's fix, safe, and the study's localisation "
+                          "ablations; judges claims C1-C6, C8 (held / not held / inconclusive, with the numbers "
+                          "behind each) into OUT/claims.md and OUT/repro.json. Resumable: rerun the same command."))
+    add_repro_arguments(repro)
+    repro.epilog = "\n\n".join(filter(None, [repro.epilog, "Valid values:\n" + values]))
     from .experiments.report import add_report_arguments, run_report
     add_report_arguments(sub.add_parser("report", help="report.md and report.html with figures, from a repro, "
                                                        "training runs and/or a lab folder"))
@@ -101,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "demo":
             from .experiments.demo import run_demo
-            run_demo(args.out, data_dir=args.data, steps=args.steps)
+            run_demo(args.out, data_dir=args.data, steps=args.steps, keep_checkpoints=args.keep_checkpoints)
             return 0
         if args.command == "showcase":
             from .experiments.showcase import run_showcase

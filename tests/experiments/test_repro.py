@@ -176,6 +176,8 @@ def test_demo_writes_the_report_and_resumes(tiny_data, tmp_path, capsys):
     assert {r["name"] for r in saved["runs"]} == {"fp32", "paper", "paper-fix", "safe"}
     assert html.count("data:image/png;base64,") >= 4 and "C8" in html
     assert (out / "lab" / "lab.json").exists()
+    # finished runs keep no checkpoints (the report reads their metrics): megabytes, not 40 MB per checkpoint
+    assert not list(out.rglob("*.pt")) and "removed the finished runs' checkpoints" in printed
     # a second call resumes: nothing is trained or measured again
     stamp = (out / "lab" / "lab.json").stat().st_mtime_ns
     assert main(["demo", "--out", str(out), "--data", str(tiny_data), "--steps", "3"]) == 0

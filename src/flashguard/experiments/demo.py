@@ -8,10 +8,14 @@
    are expected to read "not held" / "inconclusive" here, and the report says why);
 4. writes the report (report.md, self-contained report.html) and prints where it is.
 
-Every stage is resumable: rerunning the command skips what is finished.
+Every stage is resumable: rerunning the command skips what is finished. A run keeps one
+checkpoint while it trains (to resume from) and none once it is finished, since the report
+reads the runs' metrics only (``keep_checkpoints=True``: the last one of each run stays, for
+``flashguard diagnose``). A tiny-cpu checkpoint is 39 MB (weights and optimizer state).
 """
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -21,7 +25,9 @@ DEMO_CLAIMS = ("C1", "C5", "C6", "C8")
 
 
 def run_demo(out: str | Path = "demo", *, data_dir: str | Path = "data/embedded", steps: int | None = None,
-             progress: bool = True, log=print) -> dict:
+             keep_checkpoints: bool = False, progress: bool = True, log=print) -> dict:
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"--steps must be an integer >= 1 (steps per training run), got {steps!r}")
     from ..data import prepare_embedded
     from .lab import run_lab
     from .lab.report import write_lab
@@ -46,7 +52,23 @@ def run_demo(out: str | Path = "demo", *, data_dir: str | Path = "data/embedded"
                        overrides=[f'data.dir="{data_dir}"'], progress=progress, log=lambda m: log(f"  {m}"))
     log("[4/4] report")
     paths = write_report([out], out / "report")
+    if not keep_checkpoints:
+        freed = _drop_checkpoints(out, result)
+        if freed:
+            log(f"  removed the finished runs' checkpoints ({freed / 1e6:.0f} MB; the report reads their metrics; "
+                "--keep-checkpoints keeps the last one per run)")
     for c in result["claims"]:
         log(f"  {c['id']}  {c['verdict']:<12}  {c['evidence']}")
     log(f"demo done in {time.perf_counter() - t0:.0f} s; report: {paths['html'].resolve()}")
     return {"repro": result, "report": paths}
+
+
+def _drop_checkpoints(out: Path, result: dict) -> int:
+    """Delete the checkpoints of the runs that finished (done or diverged); returns the bytes freed."""
+    freed = 0
+    for run in result["runs"]:
+        ckpts = out / run["dir"] / "checkpoints"
+        if run["summary"]["status"] in ("done", "diverged") and ckpts.is_dir():
+            freed += sum(f.stat().st_size for f in ckpts.rglob("*") if f.is_file())
+            shutil.rmtree(ckpts)
+    return freed

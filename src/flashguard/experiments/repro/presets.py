@@ -45,7 +45,7 @@ PRESETS: dict[str, ReproPreset] = {p.name: p for p in (
                 about="the study's configuration: GPT-2 small on OpenWebText (for GPUs)"),
     ReproPreset("demo", "tiny-cpu.toml", precision="paper", steps=200, diagnostics_every=20,
                 overrides=("optim.schedule=constant", "data.batch_size=8", "train.eval_every=0",
-                           "train.checkpoint_every=50"),
+                           "train.checkpoint_every=50", "train.keep_last=1"),
                 about="`flashguard demo`: the tiny-cpu model for 200 steps of 8 sequences, probed every 20 steps "
                       "(minutes on a CPU: too short for an explosion, long enough for the mechanism's signs)"),
     ReproPreset("micro", "micro.toml", precision="paper", steps=40, diagnostics_every=10,

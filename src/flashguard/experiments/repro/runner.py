@@ -62,6 +62,8 @@ def train_run(spec, base: Path, common: list[str], steps: int, run_dir: Path, lo
 
 def run_repro(preset: ReproPreset, out: str | Path, *, claims=None, remedies: bool = False, steps: int | None = None,
               overrides: list[str] | tuple = (), progress: bool = True, log=print) -> dict:
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     claims = list(claims or CLAIMS)
     unknown = [c for c in claims if c not in CLAIMS]
     if unknown:

@@ -1,0 +1,85 @@
+"""The command line as a new user meets it: --help, default output folders, refused arguments."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flashguard.attention import STABILIZERS
+from flashguard.cli import lab_out, main
+from flashguard.experiments.repro.presets import PRESETS
+from flashguard.numerics import POLICIES
+from flashguard.train.shipped import shipped_configs
+
+
+def _help(capsys, *args) -> str:
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--help"])
+    assert e.value.code == 0
+    return " ".join(capsys.readouterr().out.split())   # argparse wraps lines
+
+
+def test_help_lists_the_valid_values_from_the_registries(capsys):
+    top = _help(capsys)
+    for command in ("demo", "showcase", "prepare", "train", "lab", "diagnose", "repro", "report"):
+        assert f"{command} " in top
+    assert "First look: `flashguard showcase`" in top
+    values = [*POLICIES, *STABILIZERS, *shipped_configs(), *PRESETS]
+    assert len(values) > 10
+    for name in values:
+        assert name in top, name
+    for command in ("train", "lab", "repro"):
+        text = _help(capsys, command)
+        assert "Valid values:" in text and all(n in text for n in POLICIES) and all(n in text for n in STABILIZERS)
+    squeezed = "".join(_help(capsys, "lab").split())   # argparse may break a name at its hyphen
+    assert "testedin:" + ",".join(POLICIES) in squeezed
+
+
+@pytest.mark.parametrize("command,words", [
+    ("demo", ["Prepares the embedded corpus", "claims C1, C5, C6, C8", "report.html", "--keep-checkpoints"]),
+    ("showcase", ["One lab problem", "noise floor", "Writes nothing"]),
+    ("lab", ["planted ties", "noise floor", "lab-POLICY"]),
+    ("repro", ["matched runs", "claims C1-C6, C8", "Resumable"]),
+    ("train", ["shipped config's name (e.g. tiny-cpu) or a TOML file"]),
+])
+def test_each_command_describes_itself(capsys, command, words):
+    text = _help(capsys, command)
+    for w in words:
+        assert w in text, w
+
+
+def test_lab_default_folder_is_named_by_policy(tmp_path, monkeypatch, capsys):
+    import flashguard.experiments.lab as lab
+    import flashguard.experiments.lab.report as report
+    written = []
+    monkeypatch.setattr(lab, "run_lab", lambda **kw: {"verdicts": {"(i)": "held"}, "answers": {}, "rows": [],
+                                                      "runtime_s": 0.0, "policy": kw["policy"]})
+    monkeypatch.setattr(report, "write_lab", lambda result, out: written.append(str(out)) or {"md": Path(out) / "lab.md"})
+    monkeypatch.chdir(tmp_path)
+    for args in ([], ["--policy", "paper"], ["--policy", "fp32"], ["--policy", "fa2-e4m3"],
+                 ["--policy", "paper[pv=fp32]"], ["--policy", "fp32", "--out", "mine"]):
+        assert main(["lab", "--quick", *args]) == 0
+    assert written == ["lab", "lab", "lab-fp32", "lab-fa2-e4m3", "lab-paper_pv=fp32", "mine"]
+    assert len({lab_out(p) for p in POLICIES}) == len(POLICIES)   # no two policies share a folder
+    assert main(["lab", "--policy", "fp31"]) == 2                  # a typo: refused before anything runs
+    assert "unknown precision policy 'fp31'" in capsys.readouterr().err and len(written) == 6
+
+
+@pytest.mark.parametrize("steps", ["0", "-3"])
+def test_demo_refuses_steps_below_one_before_doing_anything(tmp_path, monkeypatch, capsys, steps):
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--steps", steps]) == 2
+    assert f"--steps must be an integer >= 1 (steps per training run), got {steps}" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())   # no corpus prepared, no demo folder
+
+
+def test_demo_drops_only_finished_runs_checkpoints(tmp_path):
+    from flashguard.experiments.demo import _drop_checkpoints
+    for name in ("done", "partial", "diverged"):
+        (tmp_path / "runs" / name / "checkpoints").mkdir(parents=True)
+        (tmp_path / "runs" / name / "checkpoints" / "ckpt_0000003.pt").write_bytes(b"x" * 100)
+        (tmp_path / "runs" / name / "metrics.jsonl").write_text("{}\n")
+    result = {"runs": [{"dir": f"runs/{n}", "summary": {"status": n}} for n in ("done", "partial", "diverged")]}
+    assert _drop_checkpoints(tmp_path, result) == 200
+    assert [p.parent.parent.name for p in tmp_path.rglob("*.pt")] == ["partial"]   # still resumable
+    assert all((tmp_path / "runs" / n / "metrics.jsonl").is_file() for n in ("done", "partial", "diverged"))
