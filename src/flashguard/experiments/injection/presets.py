@@ -31,6 +31,7 @@ class InjectionPreset:
     reference: str = "fp32"
     overrides: tuple[str, ...] = field(default_factory=tuple)
     about: str = ""
+    only: tuple[str, ...] = ()    # arm names to train (empty: the whole grid)
 
 
 INJECTION_PRESETS: dict[str, InjectionPreset] = {p.name: p for p in (
@@ -39,6 +40,12 @@ INJECTION_PRESETS: dict[str, InjectionPreset] = {p.name: p for p in (
                     about="the tiny-cpu repro set-up (4 x 256, T = 256, paper arithmetic, lr 2e-3 constant): "
                           "alpha in {1, 3, 10, 30, 100} x p in {0.5, 0.6, 0.75, 1} plus shuffled and real, "
                           "500 steps"),
+    InjectionPreset("tiny-cpu-decisive", "tiny-cpu", alphas=(1, 10, 100), ps=(0.5, 1.0), steps=400,
+                    diagnostics_every=25,
+                    only=("real-a1", "coherent-p1-a10", "zero-mean-a10", "zero-mean-a100", "shuffled-a10"),
+                    about="the decisive points of the tiny-cpu grid: the arithmetic itself, a fully coherent "
+                          "error 10x the real one, zero-mean errors 10x and 100x, the real values shuffled "
+                          "across rows at 10x; 400 steps"),
     InjectionPreset("micro", "micro", alphas=(1, 10), ps=(0.5, 1.0), steps=30, diagnostics_every=10,
                     about="smoke test: the micro model, alpha in {1, 10} x p in {0.5, 1} plus shuffled and real, "
                           "30 steps (seconds)"),
@@ -91,4 +98,9 @@ def columns(ps) -> list[tuple[str, str, float | None]]:
 def arms(preset: InjectionPreset) -> list[Arm]:
     """Every arm of the grid: the baseline first, then column by column, alpha ascending."""
     out = [Arm(c, r, p, float(a)) for c, r, p in columns(preset.ps) for a in sorted(preset.alphas)]
+    if preset.only:
+        unknown = set(preset.only) - {a.name for a in out}
+        if unknown:
+            raise ValueError(f"injection preset {preset.name!r}: no arm named {sorted(unknown)} in its grid")
+        out = [a for a in out if a.name in preset.only]
     return sorted(out, key=lambda a: not a.baseline)

@@ -11,10 +11,13 @@ __all__ = ["add_repro_arguments", "run_repro_command"]
 
 
 def add_repro_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny-cpu", choices=list(PRESETS), help="training set-up (default: tiny-cpu)")
+    from ..injection.presets import INJECTION_PRESETS
+    p.add_argument("--preset", default="tiny-cpu",
+                   help=f"training set-up (default: tiny-cpu); claims: {', '.join(PRESETS)}; "
+                        f"injection: {', '.join(INJECTION_PRESETS)}")
     p.add_argument("--experiment", default="claims", choices=("claims", "injection"),
                    help="claims: the study's claims as matched runs (default); injection: the delta error-injection "
-                        "grid (alpha x sign rule) with its phase diagram, presets tiny-cpu and micro")
+                        "grid (alpha x sign rule) with its phase diagram")
     p.add_argument("--seeds", help="injection: comma-separated training seeds, every arm per seed (default: the "
                                    "config's train.seed)")
     p.add_argument("--claims", default=None,
