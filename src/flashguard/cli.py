@@ -156,6 +156,16 @@ def main(argv: list[str] | None = None) -> int:
                           "behind each) into OUT/claims.md and OUT/repro.json. Resumable: rerun the same command."))
     add_repro_arguments(repro)
     repro.epilog = "\n\n".join(filter(None, [repro.epilog, "Valid values:\n" + values]))
+    au = sub.add_parser("audit", help="does your attention kernel lean under tied maxima? (torch SDPA backends, "
+                                      "flashguard presets, Triton, flash-attn)",
+                        description=_wrap("Measures each attention kernel this device offers as a black box on the "
+                                          "lab's problems of independent rows: O and delta against fp64, one value "
+                                          "per row, paired against the fp32 noise floor. Writes OUT/audit.md, "
+                                          "audit.json and audit.png."))
+    au.add_argument("--quick", action="store_true", help="1,024 rows per condition instead of 3,072")
+    au.add_argument("--out", default="audit", help="output folder (default: audit)")
+    au.add_argument("--device", default="cpu", help="cpu (default) or cuda: which kernels are audited")
+    au.add_argument("--seed", type=int, default=0)
     from .experiments.report import add_report_arguments, run_report
     add_report_arguments(sub.add_parser("report", help="report.md and report.html with figures, from a repro, "
                                                        "training runs and/or a lab folder"))
@@ -187,6 +197,18 @@ def main(argv: list[str] | None = None) -> int:
             return run_repro_command(args)
         if args.command == "report":
             return run_report(args)
+        if args.command == "audit":
+            from .experiments.audit import run_audit, write_audit
+            if args.device not in ("cpu", "cuda"):
+                raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
+            if args.device == "cuda" and not __import__("torch").cuda.is_available():
+                raise ValueError("--device cuda: no CUDA device here")
+            result = run_audit(quick=args.quick, seed=args.seed, device=args.device, progress=lambda m: print(f"  {m}"))
+            paths = write_audit(result, args.out)
+            for k, v in result["verdicts"].items():
+                print(f"{k}: {v}")
+            print(f"tables in {paths['md']}")
+            return 0
     except (ValueError, FileNotFoundError, FileExistsError) as e:  # ConfigError is a ValueError
         print(f"flashguard {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ from ...attention.error_stats import BiasStats, bias_stats, paired_bias, unit_me
 from ...attention.trace import Arithmetic, Trace, floor_arithmetic, trace
 from .problems import Problem, half_ulp_bf16, make_problem, tail_mass
 
-__all__ = ["Measurement", "Bench"]
+__all__ = ["Measurement", "Bench", "BlackBox"]
 
 
 @dataclass
@@ -57,6 +57,21 @@ def _bad_rows(t: Trace) -> int:
     return int((nonfinite | zeroed).sum())
 
 
+@dataclass(frozen=True, eq=False)
+class BlackBox:
+    """An attention kernel seen from outside: ``fn(q, k, v) -> o`` (autograd for gradients),
+    fed inputs in ``dtype``; its noise floor is ``floor_arithmetic(floor_policy)`` (the fp32
+    arithmetic with the kernel's input and output formats)."""
+
+    name: str
+    fn: object
+    dtype: torch.dtype = torch.bfloat16
+    floor_policy: str = "fa2"
+
+    def label(self) -> str:
+        return self.name
+
+
 class Bench:
     """Problems, their floors and their measurements, each computed once per run."""
 
@@ -73,13 +88,17 @@ class Bench:
             self._inputs[p] = make_problem(p)
         return self._inputs[p]
 
-    def _trace(self, p, a: Arithmetic) -> Trace:
+    def _trace(self, p, a: "Arithmetic | BlackBox") -> Trace:
         q, k, v, do = self.inputs(p)
         torch.manual_seed(p.seed)  # stochastic rounding, if the policy asks for it
-        return trace(q, k, v, do, a, grads=False, **getattr(p, "trace_kwargs", {}))
+        kw = getattr(p, "trace_kwargs", {})
+        if isinstance(a, BlackBox):
+            q, k, v, do = (x.to(a.dtype) for x in (q, k, v, do))
+            return trace(q, k, v, do, a.fn, grads=False, label=a.name, **kw)
+        return trace(q, k, v, do, a, grads=False, **kw)
 
-    def _floor(self, p: Problem, a: Arithmetic):
-        fa = floor_arithmetic(a.policy)
+    def _floor(self, p: Problem, a: "Arithmetic | BlackBox"):
+        fa = floor_arithmetic(a.floor_policy if isinstance(a, BlackBox) else a.policy)
         key = (p, fa.policy)
         if key not in self._floors:
             t = self._trace(p, fa)
@@ -87,7 +106,7 @@ class Bench:
                                  float(t.o_err.abs().mean()))
         return self._floors[key]
 
-    def measure(self, p, a: "Arithmetic | str") -> Measurement:
+    def measure(self, p, a: "Arithmetic | BlackBox | str") -> Measurement:
         if isinstance(a, str):
             a = Arithmetic.of(a)
         key = (p, a)
@@ -97,19 +116,21 @@ class Bench:
         o_u = unit_means(t.o_err, p.unit)
         d_u = unit_means(t.delta_err, p.unit, feature_dim=False)
         fo, fd, f_mae = self._floor(p, a)
-        ties = t.ties
-        tile_pairs = float(ties.tiles.sum())
+        ties = t.ties  # None for a black box: its tiles and shifts are not visible
+        tile_pairs = float(ties.tiles.sum()) if ties is not None else 0.0
         tails = torch.tensor([float("nan")])
         if isinstance(p, Problem):  # a planted problem: its tail mass in half-ulps of its ties
             q, k, _, _ = t.inputs
             tails = tail_mass(q, k) / half_ulp_bf16(p.ties)
         m = Measurement(
-            problem=p, arithmetic=a.label(), policy=a.policy.short_str(), stabilizer=str(a.stabilizer),
+            problem=p, arithmetic=a.label(),
+            policy=a.policy.short_str() if isinstance(a, Arithmetic) else f"black box ({a.dtype})".replace("torch.", ""),
+            stabilizer=str(a.stabilizer) if isinstance(a, Arithmetic) else "?",
             o=bias_stats(o_u, p.unit), delta=bias_stats(d_u, p.unit), o_vs_floor=paired_bias(o_u, fo, p.unit),
             delta_vs_floor=paired_bias(d_u, fd, p.unit), o_floor=bias_stats(fo, p.unit),
             o_mae=float(t.o_err.abs().mean()), o_mae_floor=f_mae, bad_rows=_bad_rows(t),
-            tie_rate=float(ties.tied.sum()) / tile_pairs if tile_pairs else 0.0,
-            multi_one=float((ties.multi_one > 0).double().mean()),
+            tie_rate=float(ties.tied.sum()) / tile_pairs if tile_pairs else float("nan"),
+            multi_one=float((ties.multi_one > 0).double().mean()) if ties is not None else float("nan"),
             tail_half_ulps=float(tails.median()))
         self._cells[key] = m
         return m

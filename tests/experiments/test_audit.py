@@ -1,0 +1,61 @@
+"""flashguard audit: black-box kernels measured like the lab's arithmetics; known answers each way."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flashguard.attention.trace import Arithmetic
+from flashguard.cli import main
+from flashguard.experiments.audit import builtin_kernels, run_audit, write_audit
+from flashguard.experiments.lab.measure import BlackBox
+from flashguard.experiments.lab.problems import Problem
+
+
+def _exact_bf16(q, k, v):
+    # fp32 softmax attention, output rounded once to bf16: the floor itself, so no lean
+    o = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    return o.to(torch.bfloat16)
+
+
+def _leaning(q, k, v):
+    # a kernel whose output shrinks |O| by 1 %: a planted coherent error
+    return (_exact_bf16(q, k, v).float() * 0.99).to(torch.bfloat16)
+
+
+def test_known_answers_each_way(monkeypatch):
+    import flashguard.experiments.audit as audit
+    monkeypatch.setattr(audit, "audit_conditions",
+                        lambda quick, seed=0: [Problem(ties=2, n_rows=256), Problem(ties=1, n_rows=256)])
+    res = run_audit([BlackBox("exact", _exact_bf16), BlackBox("leaning", _leaning), Arithmetic.of("paper")])
+    v = res["verdicts"]
+    assert v["exact"].startswith("no lean") and v["leaning"].startswith("leans under ties in 1 of 1")
+    assert v["paper / none"].startswith("leans")
+    rows = {(r["kernel"], r["condition"]): r for r in res["rows"]}
+    assert rows[("leaning", Problem(ties=2, n_rows=256).label())]["o_vs_floor"]["verdict"] == "biased +"
+    assert res["unit"] == "one value per independent row"
+
+
+def test_refusing_kernel_and_outputs(tmp_path, monkeypatch):
+    import flashguard.experiments.audit as audit
+    monkeypatch.setattr(audit, "audit_conditions", lambda quick, seed=0: [Problem(ties=2, n_rows=64)])
+
+    def refuses(q, k, v):
+        raise RuntimeError("no kernel for these shapes")
+
+    res = run_audit([BlackBox("refuses", refuses), BlackBox("exact", _exact_bf16)])
+    assert res["verdicts"]["refuses"].startswith("not measured")
+    paths = write_audit(res, tmp_path)
+    md = paths["md"].read_text()
+    assert "## Refused" in md and "Unit: one value per independent row" in md
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_audit_on_cpu(tmp_path, monkeypatch, capsys):
+    import flashguard.experiments.audit as audit
+    monkeypatch.setattr(audit, "audit_conditions", lambda quick, seed=0: [Problem(ties=2, n_rows=64)])
+    names = [k.label() for k in builtin_kernels("cpu")]
+    assert "torch sdpa: flash (CPU)" in names and "paper-fp32fwd / none" in names
+    assert main(["audit", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "torch sdpa: flash (CPU):" in out and (tmp_path / "audit.md").is_file()
+    assert main(["audit", "--device", "tpu", "--out", str(tmp_path)]) == 2
