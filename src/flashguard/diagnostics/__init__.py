@@ -9,12 +9,18 @@
 * ``ProbeState``: what spans probes (previous norms, running sums, previous errors), JSON;
 * the trainer hook (``train.diagnostics_every``, ``train.diagnostics_layers``;
   ``flashguard.diagnostics.trainer``) and ``flashguard diagnose`` (``.command``);
-* ``Monitor`` / ``evaluate_run`` (``.monitor``): ok / watch / warning, online and offline;
+* ``Monitor`` (``.monitor``): ok / watch / warning, online;
+* ``evaluate_run`` / ``evaluate_runs`` (``.evaluation``; command line ``.evaluate``): the
+  monitor replayed offline on finished runs, its lead time measured against the divergence
+  rule of ``flashguard.train.divergence`` (``find_divergence``, re-exported here);
+* ``read_metrics`` (``flashguard.utils.jsonl``, re-exported here): a run's metrics.jsonl;
 * plots (``.plots``), imported on demand (matplotlib).
 """
+from ..train.divergence import find_divergence
+from ..utils.jsonl import read_metrics
 from .capture import CaptureHooks, LayerCapture, capture_batch, resolve_layers
-from .monitor import (OK, STATE_NAMES, WARNING, WATCH, Monitor, MonitorStatus, MonitorThresholds, RunEvaluation,
-                      evaluate_run, evaluate_runs, find_divergence, read_metrics)
+from .evaluation import RunEvaluation, evaluate_run, evaluate_runs
+from .monitor import OK, STATE_NAMES, WARNING, WATCH, Monitor, MonitorStatus, MonitorThresholds
 from .probes import (attention_metrics, error_structure, gradient_error_metrics, map_dq_to_wq, numerics_metrics,
                      probe_layer, run_probes, shadow, spectral_norms, weight_probe)
 from .state import ProbeState

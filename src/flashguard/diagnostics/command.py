@@ -177,7 +177,7 @@ def run_diagnose(args: argparse.Namespace) -> int:
         print(f"flashguard diagnose: error: {run_dir} is not a folder", file=sys.stderr)
         return 2
     if args.monitor:
-        from .monitor import evaluate_run
+        from .evaluation import evaluate_run
         ev = evaluate_run(run_dir)
         print(ev.summary())
         for s, reasons in ev.warnings:

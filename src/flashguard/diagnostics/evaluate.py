@@ -1,15 +1,15 @@
-"""Offline evaluation of the early-warning monitor on finished runs.
+"""Offline evaluation of the early-warning monitor on finished runs, the command line.
 
     python -m flashguard.diagnostics.evaluate RUN_DIR [RUN_DIR ...] [--json FILE]
 
 Replays each run's metrics.jsonl through the Monitor (thresholds: flashguard.diagnostics.monitor,
 warm-up from the run's config.toml) and prints, per run, the divergence step and the lead time
 of the first warning, or whether a run that did not diverge had a (false) warning; then the
-summary over all runs.
+summary over all runs (``flashguard.diagnostics.evaluation``).
 """
 from __future__ import annotations
 
-from .monitor import RunEvaluation, evaluate_runs
+from .evaluation import RunEvaluation, evaluate_runs
 
 __all__ = ["main"]
 

@@ -1,7 +1,7 @@
 """Plots of probe metrics from metrics.jsonl records (matplotlib, Agg backend).
 
 Each ``plot_*`` function takes the records of a run (a list of dicts, e.g.
-``monitor.read_metrics(run)``), writes one PNG atomically (a reader never sees half a file) and
+``flashguard.utils.jsonl.read_metrics(run)``), writes one PNG atomically (a reader never sees half a file) and
 returns its path; a figure with nothing to show says so in its title instead of failing. Its
 ``*_figure`` twin (same arguments, no path) returns the matplotlib Figure instead, for callers
 that want to look at or change it (close it with ``matplotlib.pyplot.close``).

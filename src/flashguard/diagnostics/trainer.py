@@ -29,7 +29,8 @@ from pathlib import Path
 
 from .. import keys
 from .capture import CaptureHooks, resolve_layers
-from .monitor import Monitor, MonitorThresholds, read_metrics
+from ..utils.jsonl import read_metrics
+from .monitor import Monitor, MonitorThresholds
 from .probes import run_probes
 from .state import ProbeState
 

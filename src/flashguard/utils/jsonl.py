@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["read_jsonl"]
+__all__ = ["read_jsonl", "read_metrics"]
 
 
 def read_jsonl(path, *, missing_ok: bool = True) -> list[dict]:
@@ -21,3 +21,10 @@ def read_jsonl(path, *, missing_ok: bool = True) -> list[dict]:
         except json.JSONDecodeError:
             break
     return out
+
+
+def read_metrics(path) -> list[dict]:
+    """Records of a metrics.jsonl (or of the run folder holding one); a cut last line is dropped;
+    FileNotFoundError when there is none."""
+    p = Path(path)
+    return read_jsonl(p / "metrics.jsonl" if p.is_dir() else p, missing_ok=False)

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...diagnostics.monitor import read_metrics
+from ...utils.jsonl import read_metrics
 from ..repro.summary import summarize_run
 
 __all__ = ["Run", "Lab", "Study", "folder_kind", "load_study"]

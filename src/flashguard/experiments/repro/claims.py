@@ -11,8 +11,8 @@ from __future__ import annotations
 import statistics
 
 from ... import keys
-from ...diagnostics.monitor import read_metrics
 from ...attention.error_stats import sign_test_p
+from ...utils.jsonl import read_metrics
 
 __all__ = ["CLAIMS", "judge_claims"]
 

@@ -8,9 +8,9 @@ import math
 from pathlib import Path
 
 from ... import keys
-from ...diagnostics.monitor import read_metrics
 from ...train.config import load_config
 from ...train.divergence import DIVERGENCE_FACTOR, find_divergence, rule_of
+from ...utils.jsonl import read_metrics
 
 __all__ = ["summarize_run", "DIVERGENCE_FACTOR"]
 
