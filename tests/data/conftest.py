@@ -116,7 +116,7 @@ def gpt2_standin(monkeypatch):
     path, not GPT-2's merges.
     """
     tiktoken = pytest.importorskip("tiktoken")
-    from flashguard.data import tokenizers as T
+    from flashguard.data import tiktoken_cache
 
     enc = tiktoken.Encoding(
         name="gpt2-standin",
@@ -129,6 +129,6 @@ def gpt2_standin(monkeypatch):
         assert name == "gpt2"
         return enc
 
-    monkeypatch.setattr(T, "gpt2_unavailable_reason", lambda: None)
+    monkeypatch.setattr(tiktoken_cache, "gpt2_unavailable_reason", lambda: None)
     monkeypatch.setattr(tiktoken, "get_encoding", get_encoding)
     return enc

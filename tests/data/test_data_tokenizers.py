@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flashguard.data import tiktoken_cache as C
 from flashguard.data import tokenizers as T
 from flashguard.data import (
     ByteTokenizer,
@@ -45,7 +46,7 @@ def test_unknown_tokenizer_name():
 
 def test_gpt2_unavailable_offline_without_downloading(empty_tiktoken_cache, no_network):
     assert gpt2_available() is False
-    reason = T.gpt2_unavailable_reason()
+    reason = C.gpt2_unavailable_reason()
     assert "vocab.bpe missing" in reason and str(empty_tiktoken_cache) in reason
     assert "install_gpt2_bpe" in reason
     with pytest.raises(TokenizerUnavailable, match="GPT-2 tokenizer unavailable"):
@@ -60,17 +61,17 @@ def test_gpt2_unavailable_offline_without_downloading(empty_tiktoken_cache, no_n
 def test_gpt2_unavailable_when_cache_disabled_or_tiktoken_missing(monkeypatch, no_network):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
     assert not gpt2_available()
-    assert "disabled" in T.gpt2_unavailable_reason()
-    monkeypatch.setattr(T, "_tiktoken_installed", lambda: False)
-    assert "pip install tiktoken" in T.gpt2_unavailable_reason()
+    assert "disabled" in C.gpt2_unavailable_reason()
+    monkeypatch.setattr(C, "_tiktoken_installed", lambda: False)
+    assert "pip install tiktoken" in C.gpt2_unavailable_reason()
     assert get_tokenizer("auto").name == "byte"
 
 
 def test_gpt2_cached_file_with_wrong_hash_is_unavailable(empty_tiktoken_cache, no_network):
-    for path in T.gpt2_cache_files().values():
+    for path in C.gpt2_cache_files().values():
         path.write_bytes(b"not the real file")
     assert not gpt2_available()
-    assert "wrong SHA-256" in T.gpt2_unavailable_reason()
+    assert "wrong SHA-256" in C.gpt2_unavailable_reason()
 
 
 @pytest.mark.skipif(not HAVE_TIKTOKEN, reason="tiktoken not installed")
@@ -78,7 +79,7 @@ def test_gpt2_load_guard_refuses_urls_even_if_the_check_is_fooled(
     empty_tiktoken_cache, no_network, monkeypatch
 ):
     # Pretend the cache check passed: tiktoken itself must still not go online.
-    monkeypatch.setattr(T, "gpt2_unavailable_reason", lambda: None)
+    monkeypatch.setattr(C, "gpt2_unavailable_reason", lambda: None)
     with pytest.raises(TokenizerUnavailable, match="tried to download"):
         GPT2Tokenizer()
     import tiktoken.load
@@ -95,9 +96,9 @@ def test_cache_names_match_the_installed_tiktoken():
     load_source = Path(importlib.util.find_spec("tiktoken.load").origin).read_text()
     assert "hashlib.sha1(blobpath.encode()).hexdigest()" in load_source
     assert "TIKTOKEN_CACHE_DIR" in load_source and "data-gym-cache" in load_source
-    for name, (url, sha) in T.GPT2_BPE_FILES.items():
+    for name, (url, sha) in C.GPT2_BPE_FILES.items():
         assert url in source and sha in source
-        assert T.gpt2_cache_files("/c")[name] == Path("/c") / hashlib.sha1(url.encode()).hexdigest()
+        assert C.gpt2_cache_files("/c")[name] == Path("/c") / hashlib.sha1(url.encode()).hexdigest()
 
 
 def test_install_gpt2_bpe_checks_files(tmp_path):

@@ -12,7 +12,8 @@ Read::
     idx = ds.sample_indices("train", batch_size, block_size, generator)
     x, y = ds.batch("train", idx, block_size)
 
-Tokenizers: ``get_tokenizer("byte" | "gpt2" | "auto")``; ``gpt2_available()`` never downloads.
+Tokenizers: ``get_tokenizer("byte" | "gpt2" | "auto")`` (:mod:`.tokenizers`); ``gpt2_available()``
+never downloads (tiktoken's cache of the GPT-2 files: :mod:`.tiktoken_cache`).
 Atomic file writes live in :mod:`flashguard.utils.atomic`.
 """
 from .batches import TokenDataset
@@ -20,16 +21,8 @@ from .meta import FORMAT_VERSION, META_FILE, SPLITS, read_meta, token_dtype, val
 from .openwebtext import prepare_openwebtext
 from .prepare import prepare_documents, prepare_embedded, prepare_text
 from .sources import Document, InvalidTextFile, embedded_documents, text_documents
-from .tokenizers import (
-    ByteTokenizer,
-    GPT2Tokenizer,
-    Tokenizer,
-    TokenizerUnavailable,
-    get_tokenizer,
-    gpt2_available,
-    gpt2_unavailable_reason,
-    install_gpt2_bpe,
-)
+from .tiktoken_cache import TokenizerUnavailable, gpt2_available, gpt2_unavailable_reason, install_gpt2_bpe
+from .tokenizers import ByteTokenizer, GPT2Tokenizer, Tokenizer, get_tokenizer
 from .writer import DatasetExistsError, ValSplitter
 
 __all__ = [
