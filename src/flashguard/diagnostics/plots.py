@@ -20,26 +20,11 @@ import re
 from pathlib import Path
 
 from .. import keys
+from ..utils.plotting import pyplot, save_png
 
 __all__ = ["plot_spectral_norms", "plot_tie_rate", "plot_delta_bias", "plot_singular_values", "plot_monitor",
            "spectral_norms_figure", "tie_rate_figure", "delta_bias_figure", "singular_values_figure",
            "monitor_figure", "series", "draw_head_norms"]
-
-
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def _save(fig, path) -> Path:
-    from ..utils.atomic import atomic_output
-    path = Path(path)
-    with atomic_output(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
-    _plt().close(fig)
-    return path
 
 
 def series(records: list[dict], pattern: str) -> dict[str, tuple[list[int], list[float]]]:
@@ -59,7 +44,7 @@ def series(records: list[dict], pattern: str) -> dict[str, tuple[list[int], list
 
 
 def _panels(n: int, title: str):
-    plt = _plt()
+    plt = pyplot()
     n = max(n, 1)
     cols = min(n, 4)
     rows = (n + cols - 1) // cols
@@ -87,7 +72,7 @@ def spectral_norms_figure(records: list[dict], *, which: str = "wq", layers=None
 
 def plot_spectral_norms(records: list[dict], path, *, which: str = "wq", layers=None) -> Path:
     """Per-head spectral norm of W_Q (``which="wq"``) or W_K against step."""
-    return _save(spectral_norms_figure(records, which=which, layers=layers), path)
+    return save_png(spectral_norms_figure(records, which=which, layers=layers), path)
 
 
 def _head_of(key: str, layer: int) -> int | None:
@@ -111,7 +96,7 @@ def draw_head_norms(ax, data: dict[str, tuple[list[int], list[float]]], layer: i
 
 def tie_rate_figure(records: list[dict]):
     """Tie rate per layer (solid) and fraction of rows with >= 2 Pbar == 1 (dashed)."""
-    plt = _plt()
+    plt = pyplot()
     ties = series(records, keys.TIE_RATE.pattern())
     multi = series(records, keys.PBAR_ONE_MULTI.pattern())
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
@@ -130,12 +115,12 @@ def tie_rate_figure(records: list[dict]):
 
 def plot_tie_rate(records: list[dict], path) -> Path:
     """Tie rate per layer (solid) and fraction of rows with >= 2 Pbar == 1 (dashed)."""
-    return _save(tie_rate_figure(records), path)
+    return save_png(tie_rate_figure(records), path)
 
 
 def delta_bias_figure(records: list[dict]):
     """Running sum of mean(delta_lp - delta_hp) per layer; a steady climb is the study's bias."""
-    plt = _plt()
+    plt = pyplot()
     cum = series(records, keys.DELTA_ERR_CUMSUM.pattern())
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for layer in sorted(keys.DELTA_ERR_CUMSUM.parse(k)[0] for k in cum):
@@ -151,7 +136,7 @@ def delta_bias_figure(records: list[dict]):
 
 def plot_delta_bias(records: list[dict], path) -> Path:
     """Running sum of mean(delta_lp - delta_hp) per layer; a steady climb is the study's bias."""
-    return _save(delta_bias_figure(records), path)
+    return save_png(delta_bias_figure(records), path)
 
 
 def singular_values_figure(records: list[dict], *, max_curves: int = 6):
@@ -162,7 +147,7 @@ def singular_values_figure(records: list[dict], *, max_curves: int = 6):
     layers = sorted({layer for _, layer in where.values()})
     fig, axes = _panels(len(layers), "W_Q gradient-error singular values / sv1"
                         + ("" if layers else " (no probe metrics)"))
-    plt = _plt()
+    plt = pyplot()
     for ax, layer in zip(axes, layers):
         svs = sorted((i, k) for k, (i, l) in where.items() if l == layer)
         by_step: dict[int, list[float]] = {}
@@ -189,12 +174,12 @@ def singular_values_figure(records: list[dict], *, max_curves: int = 6):
 def plot_singular_values(records: list[dict], path, *, max_curves: int = 6) -> Path:
     """Top singular values of the W_Q gradient error (``grad/wq_err_sv<i>``), divided by the
     first, at up to ``max_curves`` evenly spaced probe steps; a panel per layer."""
-    return _save(singular_values_figure(records, max_curves=max_curves), path)
+    return save_png(singular_values_figure(records, max_curves=max_curves), path)
 
 
 def monitor_figure(records: list[dict]):
     """Training loss and gradient norm, with the steps the monitor said watch / warning."""
-    plt = _plt()
+    plt = pyplot()
     loss = series(records, re.escape(keys.LOSS_TRAIN)).get(keys.LOSS_TRAIN, ([], []))
     grad = series(records, re.escape(keys.GRAD_NORM)).get(keys.GRAD_NORM, ([], []))
     state = series(records, re.escape(keys.MONITOR_STATE)).get(keys.MONITOR_STATE, ([], []))
@@ -218,4 +203,4 @@ def monitor_figure(records: list[dict]):
 
 def plot_monitor(records: list[dict], path) -> Path:
     """Training loss and gradient norm, with the steps the monitor said watch / warning."""
-    return _save(monitor_figure(records), path)
+    return save_png(monitor_figure(records), path)

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from ..attention.error_stats import Z_CRIT
 from ..attention.trace import Arithmetic
-from ..utils.atomic import atomic_output, atomic_write_text
+from ..utils.atomic import atomic_write_text
+from ..utils.plotting import pyplot, save_png
 from .lab.measure import Bench, BlackBox
 from .lab.problems import Problem
 
@@ -151,10 +152,7 @@ def _md(result: dict) -> str:
 
 
 def write_audit(result: dict, out_dir) -> dict:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "audit.json", json.dumps(result, indent=1) + "\n")
@@ -173,7 +171,5 @@ def write_audit(result: dict, out_dir) -> dict:
     ax.set_yscale("symlog", linthresh=5)
     ax.set_ylabel("z of O's lean beyond the floor")
     ax.legend(fontsize=7)
-    with atomic_output(out / "audit.png", "wb") as f:
-        fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    save_png(fig, out / "audit.png")
     return {"json": out / "audit.json", "md": out / "audit.md", "png": out / "audit.png"}

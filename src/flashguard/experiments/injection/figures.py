@@ -9,10 +9,9 @@ baseline, every arm of the fully coherent column and the zero-mean arm at the la
 """
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
-from ...utils.atomic import atomic_write_bytes
+from ...utils.plotting import pyplot, save_png
 
 __all__ = ["phase_diagram", "wq_norms"]
 
@@ -20,23 +19,8 @@ STYLE = {"diverged": ("x", "#c62828", True), "trained": ("o", "#2e7d32", False),
          "missing": ("$?$", "#9e9e9e", True)}
 
 
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def _save(fig, path) -> Path:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
-    _plt().close(fig)
-    atomic_write_bytes(Path(path), buf.getvalue())
-    return Path(path)
-
-
 def phase_diagram(cells: dict, columns: list[str], alphas, bounds: dict, path, *, title: str = "") -> Path:
-    plt = _plt()
+    plt = pyplot()
     alphas = sorted(alphas)
     fig, ax = plt.subplots(figsize=(1.3 * len(columns) + 2.5, 4.2))
     for x, col in enumerate(columns):
@@ -71,7 +55,7 @@ def phase_diagram(cells: dict, columns: list[str], alphas, bounds: dict, path, *
     ax.set_xlim(-0.6, len(columns) - 0.4)
     ax.grid(True, axis="y", alpha=0.3)
     ax.set_title(title or "delta error injection: x diverged (median step), o trained on", fontsize=9)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def wq_norms(outcomes: dict, arms: list[str], path, *, title: str = "") -> Path | None:
@@ -79,7 +63,7 @@ def wq_norms(outcomes: dict, arms: list[str], path, *, title: str = "") -> Path 
     layers = sorted({layer for name in arms if name in outcomes for layer in outcomes[name]["wq_norm"]})
     if not layers:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(layers), figsize=(3.6 * len(layers), 3.2), squeeze=False)
     cmap = plt.get_cmap("tab10")
     for ax, layer in zip(axes[0], layers):
@@ -98,4 +82,4 @@ def wq_norms(outcomes: dict, arms: list[str], path, *, title: str = "") -> Path 
     axes[0][0].set_ylabel("W_Q spectral norm (max over heads)")
     axes[0][-1].legend(fontsize=7, loc="upper left")
     fig.suptitle(title or "W_Q spectral norms of the injected arms", fontsize=9)
-    return _save(fig, path)
+    return save_png(fig, path)

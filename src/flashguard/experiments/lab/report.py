@@ -5,7 +5,8 @@ import json
 from pathlib import Path
 
 from ...attention.error_stats import BIAS_RATIO_MIN, Z_CRIT
-from ...utils.atomic import atomic_output, atomic_write_text
+from ...utils.atomic import atomic_write_text
+from ...utils.plotting import pyplot, save_png
 from .experiments import DECOMPOSITION, FORMAT_POLICIES
 
 __all__ = ["write_lab", "render_markdown", "TITLES"]
@@ -107,19 +108,12 @@ def render_markdown(result: dict) -> str:
 
 
 def _figures(result: dict, out: Path) -> list[Path]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = [r for r in result["rows"] if r["experiment"] == "fixes"]
     paths = []
 
     def save(fig, name):
-        path = out / name
-        with atomic_output(path, "wb") as f:
-            fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_png(fig, out / name))
 
     def z_of(pol_arith, cond_filter):
         pts = sorted((r["problem"]["ties"], r["o_vs_floor"]["z"]) for r in rows

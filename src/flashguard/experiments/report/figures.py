@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ... import keys
-from ...diagnostics.plots import _plt, _save, draw_head_norms, series
+from ...diagnostics.plots import draw_head_norms, series
 from ...utils.atomic import atomic_write_bytes
+from ...utils.plotting import pyplot, save_png
 from .load import Run, Study
 
 __all__ = ["Figure", "make_figures", "copy_lab_figures", "focus_layer", "FIGURE_NAMES"]
@@ -45,7 +46,7 @@ def _get(run: Run, key: str) -> tuple[list, list]:
 
 
 def _colors(study: Study) -> dict[str, tuple]:
-    cmap = _plt().get_cmap("tab10" if len(study.runs) <= 10 else "tab20")
+    cmap = pyplot().get_cmap("tab10" if len(study.runs) <= 10 else "tab20")
     return {r.name: cmap(i % cmap.N) for i, r in enumerate(study.runs)}
 
 
@@ -81,7 +82,7 @@ def fig_loss(study: Study, out: Path, colors) -> Figure | str:
     panels = [(t, rs) for t, rs in panels if rs]
     if not panels:
         return f"loss: skipped, no run has a finite {keys.LOSS_TRAIN}"
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(6.8 * len(panels), 4.2), sharey=True, squeeze=False,
                              constrained_layout=True)
     firsts, windows = [], set()
@@ -111,7 +112,7 @@ def fig_loss(study: Study, out: Path, colors) -> Figure | str:
     w = max(windows)
     smooth_note = (f"Solid lines: centred moving average over up to {w} steps; faint lines: raw values. "
                    if w > 1 else "Raw values (no smoothing). ")
-    return Figure(_save(fig, out / "loss.png"), "Training loss",
+    return Figure(save_png(fig, out / "loss.png"), "Training loss",
                   "Training loss against step; main runs left, ablations and remedies right. " + smooth_note
                   + "A dashed line and a cross mark a run's divergence step; the y axis is capped at 1.15 x the "
                     "largest initial loss, so an exploded loss runs off the top and non-finite values are not drawn.")
@@ -121,7 +122,7 @@ def fig_wq_norms(study: Study, out: Path, layer: int) -> Figure | str:
     runs = _with(study, keys.WQ_NORM.key(layer, 0))
     if not runs:
         return f"W_Q norms: skipped, no run has per-head probe metrics for layer {layer} ({keys.WQ_NORM})"
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.4), sharey=True, squeeze=False,
                              constrained_layout=True)
     for ax, r in zip(axes[0], runs):
@@ -132,7 +133,7 @@ def fig_wq_norms(study: Study, out: Path, layer: int) -> Figure | str:
         if isinstance(div, int):
             ax.axvline(div, color="tab:red", linestyle="--", linewidth=1)
     fig.suptitle(f"W_Q spectral norm per head, layer L{layer} (Fig. 3)")
-    return Figure(_save(fig, out / "wq_norms.png"), f"W_Q spectral norms, layer L{layer}",
+    return Figure(save_png(fig, out / "wq_norms.png"), f"W_Q spectral norms, layer L{layer}",
                   f"Largest singular value of each head's W_Q slice in layer L{layer} (layers count from 0) at the "
                   "probe steps, one panel per run, same y axis; a red dashed line marks divergence.")
 
@@ -143,7 +144,7 @@ def fig_wq_layers(study: Study, out: Path, layer: int) -> Figure | str:
         return f"W_Q norms per layer: skipped, no run has {keys.WQ_NORM_MAX} probe metrics"
     run = next((r for r in have if r.name == "paper"), have[0])
     data = series(run.records, keys.WQ_NORM_MAX.pattern())
-    fig, ax = _plt().subplots(figsize=(6.5, 3.8))
+    fig, ax = pyplot().subplots(figsize=(6.5, 3.8))
     for key in sorted(data, key=lambda k: keys.WQ_NORM_MAX.parse(k)[0]):
         l = keys.WQ_NORM_MAX.parse(key)[0]
         ax.plot(*_finite(*data[key]), label=f"L{l}", linewidth=2.5 if l == layer else 1.2)
@@ -151,7 +152,7 @@ def fig_wq_layers(study: Study, out: Path, layer: int) -> Figure | str:
     ax.set_ylabel("max spectral norm over heads")
     ax.set_title(f"W_Q spectral norm per layer (max over heads): {run.name}")
     ax.legend(fontsize="small")
-    return Figure(_save(fig, out / "wq_norms_layers.png"), f"W_Q spectral norms per layer ({run.name})",
+    return Figure(save_png(fig, out / "wq_norms_layers.png"), f"W_Q spectral norms per layer ({run.name})",
                   f"Largest W_Q head spectral norm of each layer in run {run.name}; the focus layer L{layer} is "
                   "drawn thick. Does the growth stay in one layer?")
 
@@ -160,7 +161,7 @@ def fig_grad_error(study: Study, out: Path, layer: int, colors) -> Figure | str:
     runs = _with(study, keys.wq_err_sv(1).key(layer), groups=("main", "remedy"))
     if not runs:
         return f"gradient error: skipped, no run has grad/wq_err_* probe metrics for layer {layer}"
-    plt = _plt()
+    plt = pyplot()
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 3.8), constrained_layout=True)
     styles = ["-", "--", ":", "-."]
     for r in runs:
@@ -182,7 +183,7 @@ def fig_grad_error(study: Study, out: Path, layer: int, colors) -> Figure | str:
         ax.set_xlabel("step")
         ax.legend(fontsize="small")
     fig.suptitle(f"W_Q gradient error E = dW_Q(policy) - dW_Q(fp64 attention), layer L{layer} (Fig. 4)")
-    return Figure(_save(fig, out / "grad_error.png"), f"Gradient-error structure, layer L{layer}",
+    return Figure(save_png(fig, out / "grad_error.png"), f"Gradient-error structure, layer L{layer}",
                   "Structure of the W_Q gradient error caused by the attention backward, at the probe steps: its "
                   "top singular values, the share of its energy in the first (1 = rank one) and its cosine with "
                   "the sum of the errors of all earlier probes (near 1: the errors add up instead of cancelling).")
@@ -193,7 +194,7 @@ def fig_delta_bias(study: Study, out: Path, layer: int, colors) -> Figure | str:
     runs = [r for r in study.runs if _get(r, key)[0]]
     if not runs:
         return f"delta bias: skipped, no run has {key} probe metrics"
-    fig, ax = _plt().subplots(figsize=(6.8, 3.8))
+    fig, ax = pyplot().subplots(figsize=(6.8, 3.8))
     for r in runs:
         ax.plot(*_get(r, key), color=colors[r.name], marker=".", label=r.name)
     ax.axhline(0.0, color="grey", linewidth=0.8)
@@ -201,7 +202,7 @@ def fig_delta_bias(study: Study, out: Path, layer: int, colors) -> Figure | str:
     ax.set_ylabel("running sum")
     ax.set_title(f"cumulative delta error, layer L{layer}: sum of mean(delta_lp - delta_hp)")
     ax.legend(fontsize="small")
-    return Figure(_save(fig, out / "delta_bias.png"), f"Cumulative delta error, layer L{layer}",
+    return Figure(save_png(fig, out / "delta_bias.png"), f"Cumulative delta error, layer L{layer}",
                   "Running sum over the probes of the mean error of delta = rowsum(dO * O) against fp64 (Fig. 5 in "
                   "spirit): an unbiased error wanders around 0, a biased one climbs steadily.")
 
