@@ -24,7 +24,7 @@ import torch
 
 from flashguard import keys
 from flashguard.diagnostics import DEFAULT_EVERY, TrainerDiagnostics
-from flashguard.model import GPT, AttentionSpec, model_config
+from flashguard.model import GPT, model_config
 from flashguard.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def main() -> None:
                       [f"train.diagnostics_every={args.every}",
                        "train.diagnostics_layers=[" + ",".join(map(str, args.layers)) + "]"])
     mcfg = model_config("tiny-cpu")
-    spec = AttentionSpec(backend="flash", precision=cfg.attention.precision, stabilizer=cfg.attention.stabilizer)
+    spec = cfg.attention.spec
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, mcfg.vocab_size, (args.batch, mcfg.block_size), generator=g),) * 2
                for _ in range(8)]
@@ -96,7 +96,7 @@ def main() -> None:
     cost = statistics.mean(probe_s) if probe_s else float("nan")
     layers = args.layers or list(range(mcfg.n_layer))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; tiny-cpu, batch {args.batch} x T "
-          f"{mcfg.block_size}, flash[{cfg.attention.precision},{cfg.attention.stabilizer}], bf16 autocast; "
+          f"{mcfg.block_size}, {spec.short_str()}, bf16 autocast; "
           f"probes on layers {layers} every {args.every} steps; {args.rounds} rounds of {steps} steps")
     print(f"plain:  {plain:8.2f} s per round (median step {step_s:.3f} s)")
     print(f"probed: {probed:8.2f} s per round ({len(probe_s)} probes, {cost:.2f} s each = "

@@ -37,7 +37,7 @@ def run(tiny_data, tmp_path_factory) -> Path:
     cfg = load_config(MICRO, micro_overrides(tiny_data, **{
         "train.steps": STEPS, "train.diagnostics_every": 1, "train.eval_every": 4,
         "train.divergence_loss": 0.001, "train.on_divergence": '"continue"'}))
-    assert (cfg.model.preset, cfg.attention.backend) == ("micro", "flash")
+    assert (cfg.model.preset, cfg.attention.spec.backend) == ("micro", "flash")
     train(cfg, out, log_fn=lambda m: None)
     return out
 

@@ -311,3 +311,66 @@ def test_an_exact_policy_has_no_error_in_any_delta_source(delta_source, softcap)
     assert m["numerics/o_err_abs/L0"] < 1e-14
     assert m["numerics/delta_err_abs/L0"] < 1e-13
     assert m["grad/wq_err_rel/L0"] < 1e-12
+
+
+# ---------------------------------------------------------------------------- the kernel that trained
+
+def test_probes_measure_with_the_layers_kernel_and_tiles():
+    """The shadow runs the arithmetic the layer ran: its tiles (else the kernel's default: 512 on
+    the PyTorch path) and its kernel, 'auto' resolved as flash_attention resolves it."""
+    q, k, v, do = tied_problem(T=64)
+    sh = shadow(_cap(q, k, v, do, "fa2", block_q=16, block_k=32))
+    assert (sh.trace.label, sh.trace.ties is not None) == ("fa2 / none 16x32", True)
+    cap = LayerCapture(layer=0, q=q, k=k, v=v, do=do, causal=True,
+                       spec=AttentionSpec("flash", precision="fa2", kernel="pytorch", block_q=32))
+    assert shadow(cap, grad=False).trace.label == "fa2 / none 32x512"
+    # auto on CPU tensors runs the PyTorch path, so the probes do
+    auto = LayerCapture(layer=0, q=q, k=k, v=v, do=do, spec=AttentionSpec("flash", precision="fa2"))
+    assert shadow(auto, grad=False).trace.label == "fa2 / none"
+    # the tiles decide what the probes count: 16-key tiles see the tied pair in one tile or two
+    t16 = probe_layer(_cap(q, k, v, do, "fa2", block_k=16), grad=False)["numerics/tie_rate/L0"]
+    t64 = probe_layer(_cap(q, k, v, do, "fa2"), grad=False)["numerics/tie_rate/L0"]
+    assert t64 == 1.0 and t16 < 1.0
+
+
+_TRITON_PROBE = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import torch
+import triton
+if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 8):
+    print("SKIP old triton"); sys.exit(0)
+from flashguard.attention.triton_flash import forward_tiles
+from flashguard.diagnostics import capture_batch, run_probes
+from flashguard.diagnostics.probes import shadow
+from flashguard.model import GPT, AttentionSpec, GPTConfig
+torch.manual_seed(0)
+cfg = GPTConfig(block_size=32, vocab_size=64, n_layer=1, n_head=2, n_embd=32)
+model = GPT(cfg, AttentionSpec("flash", precision="fa2", kernel="triton"))
+x = torch.randint(0, 64, (2, 32)); y = torch.roll(x, -1, 1)
+caps, loss = capture_batch(model, x, y, [0], autocast="fp32")
+sh = shadow(caps[0])
+bm, bn = forward_tiles(16, torch.bfloat16)
+assert sh.trace.label == f"fa2 / none {bm}x{bn} [triton]", sh.trace.label
+assert sh.trace.ties is not None
+m = run_probes(model, caps)
+assert all(v == v for v in m.values()), m
+assert "numerics/tie_rate/L0" in m and "numerics/delta_err_mean/L0" in m
+print("OK", sh.trace.label)
+"""
+
+
+def test_probes_of_a_triton_layer_run_the_triton_kernel(tmp_path):
+    """kernel = triton: the probes measure through the Triton kernel at its own forward tiles
+    (Triton's CPU interpreter, in a subprocess: the mode is fixed when triton is imported)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", _TRITON_PROBE], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    if out.stdout.startswith("SKIP"):
+        pytest.skip(out.stdout.strip())
+    assert out.stdout.startswith("OK")

@@ -490,3 +490,38 @@ def test_set_attention_switches_backends_on_the_same_weights():
         model.set_attention([AttentionSpec()])
     with pytest.raises(TypeError, match="AttentionSpec"):
         model.transformer.h[0].attn.spec = "flash"
+
+
+def test_attention_spec_kernel_is_checked_and_reaches_flash_attention(monkeypatch):
+    """The spec's kernel (flash_attention's backend=) and tiles go to the call; triton is refused
+    for settings it cannot run, by field (SpecError.field), and under soft-capping."""
+    from flashguard.model import KERNELS, SpecError
+    import flashguard.model.gpt as gpt
+    assert KERNELS == ("auto", "pytorch", "triton") and AttentionSpec().kernel == "auto"
+    with pytest.raises(SpecError, match="unknown kernel 'cuda'") as e:
+        AttentionSpec("flash", kernel="cuda")
+    assert e.value.field == "kernel"
+    with pytest.raises(SpecError, match="triton kernel cannot run precision policy 'paper'"):
+        AttentionSpec("flash", precision="paper", kernel="triton")
+    with pytest.raises(SpecError, match=r"triton kernel cannot run block_q=512"):
+        AttentionSpec("flash", precision="fa2", kernel="triton", block_q=512)
+    with pytest.raises(SpecError, match="delta hook runs on the pytorch kernel"):
+        AttentionSpec("flash", precision="fa2", kernel="triton", delta_hook=lambda *a: None)
+    ok = AttentionSpec("flash", precision="fa2", kernel="triton", block_q=64)
+    assert ok.short_str() == "flash[fa2,none,64xdefault,triton]"
+    with pytest.raises(SpecError, match="softcap"):
+        GPT(dataclasses.replace(MICRO, attn_softcap=30.0), ok)
+    with pytest.raises(SpecError, match=r"\['kernel'\] only apply to the flash backend"):
+        AttentionSpec("sdpa").with_changes({"kernel": "pytorch"})
+    seen = {}
+    real = gpt.flash_attention
+
+    def spy(*a, **kw):
+        seen.update(kw)
+        return real(*a, **{**kw, "backend": "pytorch"})
+    monkeypatch.setattr(gpt, "flash_attention", spy)
+    model = GPT(MICRO, AttentionSpec("flash", precision="fp32", kernel="pytorch", block_q=8, block_k=16))
+    model(torch.randint(0, MICRO.vocab_size, (1, 16)))
+    assert (seen["backend"], seen["block_q"], seen["block_k"]) == ("pytorch", 8, 16)
+    q = torch.randn(1, 2, 8, 16)
+    assert AttentionSpec("flash", precision="fa2").kernel_for(q, q, q) == "pytorch"  # auto on CPU

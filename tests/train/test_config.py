@@ -20,7 +20,7 @@ def test_overrides_are_typed_and_dotted(tmp_path):
     cfg = load_config(ROOT / "configs" / "micro.toml",
                       ["train.steps=7", "optim.lr=3e-4", "attention.precision=fa2", "train.tensorboard=true",
                        "attention.layers.1.precision=fp32", "model.attn_softcap=30"])
-    assert cfg.train.steps == 7 and cfg.optim.lr == 3e-4 and cfg.attention.precision == "fa2"
+    assert cfg.train.steps == 7 and cfg.optim.lr == 3e-4 and cfg.attention.spec.precision == "fa2"
     assert cfg.train.tensorboard is True and cfg.model.attn_softcap == 30.0
     assert cfg.attention.layers == {"1": {"precision": "fp32"}}
     path = tmp_path / "c.toml"
@@ -43,6 +43,13 @@ def test_overrides_are_typed_and_dotted(tmp_path):
     ("attention.stabilizer=sfe", r"^attention\.stabilizer: unknown stabilizer 'sfe'; known: none"),
     ("attention.layers.1.precision=fp31", r"^attention\.layers\.1\.precision: unknown precision policy"),
     ("attention.layers.0.stabilizer=3", r"^attention\.layers\.0\.stabilizer: stabilizer must be a name"),
+    ("attention.kernel=cuda", r"^attention\.kernel: unknown kernel 'cuda'; known: auto, pytorch, triton"),
+    ("attention.kernel=triton", r"^attention\.kernel: the triton kernel cannot run precision policy 'paper'"),
+    ("attention.layers.1.kernel=triton", r"^attention\.layers\.1\.kernel: the triton kernel cannot run"),
+    ("attention.block_q=0", r"^attention\.block_q: must be None or an integer >= 1"),
+    ("attention.layers.1.block_k=true", r"^attention\.layers\.1\.block_k: must be None or an integer"),
+    ("attention.spec=x", "unknown config key attention.spec"),
+    ("attention.delta_hook=x", "unknown config key attention.delta_hook"),
     ("data.batch_size=10", "data.batch_size"),  # with grad_accum = 4 below
     ("train.steps", "not key=value"),
 ])
@@ -73,3 +80,29 @@ def test_schedule_warmup_cosine_and_floor():
     assert learning_rate(500, o, 110) == pytest.approx(0.1)
     c = OptimConfig(lr=1.0, warmup_steps=0, schedule="constant")
     assert learning_rate(0, c, 10) == learning_rate(9, c, 10) == 1.0
+
+
+def test_attention_section_holds_the_models_spec(tmp_path):
+    """[attention] is flashguard.model.AttentionSpec: its settings are the keys, kernel and tiles
+    included, saved with the run and rebuilt per layer as the model's specs."""
+    from flashguard.model import AttentionSpec
+    cfg = load_config(ROOT / "configs" / "micro.toml",
+                      ["attention.precision=fa2", "attention.kernel=pytorch", "attention.block_q=64",
+                       "attention.layers.1.kernel=triton", "attention.layers.1.block_k=32"])
+    assert cfg.attention.spec == AttentionSpec("flash", precision="fa2", stabilizer="none", block_q=64,
+                                               kernel="pytorch")
+    text = config_to_toml(cfg)
+    assert 'kernel = "pytorch"' in text and "block_q = 64" in text and '"1" = { kernel = "triton", block_k = 32 }' in text
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    assert load_config(path) == cfg
+    specs = cfg.attention.specs(2)
+    assert specs[0].kernel == "pytorch" and (specs[1].kernel, specs[1].block_q, specs[1].block_k) == ("triton", 64, 32)
+    # an older run's config.toml (no kernel key) loads with the default kernel
+    old = tmp_path / "old.toml"
+    old.write_text('[attention]\nbackend = "flash"\nprecision = "fa2"\n')
+    assert load_config(old).attention.spec.kernel == "auto"
+    # a saved sdpa run names every setting and still loads
+    sdpa = load_config(ROOT / "configs" / "micro.toml", ["attention.backend=sdpa"])
+    path.write_text(config_to_toml(sdpa))
+    assert load_config(path).attention.spec.backend == "sdpa"

@@ -158,3 +158,15 @@ def test_divergence_factor_stops_at_the_first_doubling(tiny_data, tmp_path):
     from flashguard.diagnostics import evaluate_run
     from flashguard.experiments.repro.summary import summarize_run
     assert summarize_run(run)["diverged_at"] == evaluate_run(run).divergence_step == first
+
+
+def test_a_triton_kernel_where_it_cannot_run_is_refused_before_training(tiny_data, tmp_path, monkeypatch):
+    """attention.kernel = triton on a CPU run (no interpreter): a ConfigError naming the key, no step run."""
+    import flashguard.attention.triton_flash as tf
+    from flashguard.train import ConfigError
+    monkeypatch.setattr(tf, "interpreted", lambda: False)
+    cfg = load_config(MICRO, micro_overrides(tiny_data, **{"attention.precision": "fa2", "attention.kernel": "triton",
+                                                           "train.device": "cpu"}))
+    with pytest.raises(ConfigError, match=r"attention\.kernel = triton \(layer 0\) cannot run"):
+        train(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

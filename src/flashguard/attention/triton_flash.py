@@ -34,8 +34,8 @@ from ..numerics.policy import PrecisionPolicy, get_policy
 from .stabilizers import (SAFE_DELTA_MIN, SAFE_DELTA_SPAN, NoStabilizer, PaperStabilizer, SafeStabilizer,
                           Stabilizer, get_stabilizer)
 
-__all__ = ["triton_available", "triton_flash_attention", "triton_unsupported", "triton_forward",
-           "fa2_structured", "MAX_HEAD_DIM"]
+__all__ = ["triton_available", "triton_flash_attention", "triton_unsupported", "triton_unsupported_settings",
+           "triton_device_problem", "triton_forward", "forward_tiles", "fa2_structured", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 128
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0   # as stabilizers._dither
@@ -107,10 +107,11 @@ def _block(name, value):
     return int(value)
 
 
-def triton_unsupported(q, k, v, *, attn_mask=None, softcap=None, precision="fa2", stabilizer="none",
-                       block_q=None, block_k=None, need_device=True) -> str | None:
-    """Why the triton backend cannot run this call (None when it can). ``need_device``: also
-    require CUDA tensors (or the interpreter) and an importable triton."""
+def triton_unsupported_settings(*, precision="fa2", stabilizer="none", block_q=None, block_k=None, attn_mask=None,
+                                softcap=None) -> str | None:
+    """Why the triton backend cannot run these settings, whatever the tensors (None when it can):
+    masks, soft-capping, a policy that is not fa2-structured, a stabilizer it lacks, tiles that are
+    not powers of two in [16, 128]. A model layer checks its AttentionSpec with it."""
     if attn_mask is not None:
         return "attn_mask (the triton backend supports is_causal only)"
     if softcap is not None:
@@ -121,20 +122,39 @@ def triton_unsupported(q, k, v, *, attn_mask=None, softcap=None, precision="fa2"
     stab = get_stabilizer(stabilizer)
     if type(stab) not in _STAB_CODES:
         return f"stabilizer {type(stab).__name__} (the triton backend has none, paper and safe)"
-    if 0 in (*q.shape, *k.shape, *v.shape):
-        return f"empty tensors (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})"
-    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
-        return f"head dim {max(q.shape[-1], v.shape[-1])} (the triton backend supports head dims up to {MAX_HEAD_DIM})"
     for name, value in (("block_q", block_q), ("block_k", block_k)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
                                   or not 16 <= value <= 128 or value & (value - 1)):
             return f"{name}={value!r} (triton tiles are powers of two in [16, 128])"
+    return None
+
+
+def triton_device_problem(device) -> str | None:
+    """Why the triton kernels cannot run on ``device`` (a torch.device or its type; None when they can):
+    triton not installed, or not CUDA and not Triton's CPU interpreter."""
+    if not triton_available():
+        return "triton is not installed"
+    kind = device if isinstance(device, str) else device.type
+    if kind != "cuda" and not interpreted():
+        return (f"tensors on {kind} (the triton kernels need CUDA tensors, or Triton's CPU interpreter: "
+                "TRITON_INTERPRET=1 set before triton is first imported)")
+    return None
+
+
+def triton_unsupported(q, k, v, *, attn_mask=None, softcap=None, precision="fa2", stabilizer="none",
+                       block_q=None, block_k=None, need_device=True) -> str | None:
+    """Why the triton backend cannot run this call (None when it can). ``need_device``: also
+    require CUDA tensors (or the interpreter) and an importable triton."""
+    reason = triton_unsupported_settings(precision=precision, stabilizer=stabilizer, block_q=block_q,
+                                         block_k=block_k, attn_mask=attn_mask, softcap=softcap)
+    if reason:
+        return reason
+    if 0 in (*q.shape, *k.shape, *v.shape):
+        return f"empty tensors (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})"
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        return f"head dim {max(q.shape[-1], v.shape[-1])} (the triton backend supports head dims up to {MAX_HEAD_DIM})"
     if need_device:
-        if not triton_available():
-            return "triton is not installed"
-        if q.device.type != "cuda" and not interpreted():
-            return (f"tensors on {q.device.type} (the triton kernels need CUDA tensors, or Triton's CPU interpreter: "
-                    "TRITON_INTERPRET=1 set before triton is first imported)")
+        return triton_device_problem(q.device)
     return None
 
 
@@ -181,6 +201,15 @@ def _launch(kernel, grid, args, num_warps, num_stages, **constexprs):
             if type(e).__name__ != "OutOfResources" or stages <= 1:
                 raise
             stages -= 1
+
+
+def forward_tiles(head_dim: int, dtype: torch.dtype, block_m: int | None = None,
+                  block_n: int | None = None) -> tuple[int, int]:
+    """The forward kernel's tiles (BLOCK_M, BLOCK_N) for operands of this head dim (the larger of
+    q's and v's) and dtype: ``block_m`` / ``block_n`` where given, else the kernel's defaults (the
+    ones triton_forward picks; they differ under the interpreter)."""
+    bm, bn, _, _ = _fwd_config(_pad(head_dim), interpreted(), dtype)
+    return block_m or bm, block_n or bn
 
 
 def _pad(d):

@@ -18,8 +18,8 @@ Attention (``attention_metrics``, from the fp64 attention of the layer's inputs)
                                                under the causal mask)
   attn/sink_top_frac/Ll                      fraction of those rows whose largest weight is key 0
 
-Numerics (``numerics_metrics``; the layer's attention once more in the training policy and
-tiles, next to fp64, measured by ``flashguard.attention.trace``; only for layers whose
+Numerics (``numerics_metrics``; the layer's attention once more in the training policy,
+kernel and tiles, next to fp64, measured by ``flashguard.attention.trace``; only for layers whose
 backend is flash, or with an explicit ``precision``):
   numerics/tie_rate/LlHh, numerics/tie_rate/Ll   fraction of (row, key tile) pairs whose maximum
         repeats under the layer's stabilizer's own tie rule (``Stabilizer.tied``): an exact
@@ -60,6 +60,7 @@ policy's own O and lse, as training computes it, cast to the dtype training hand
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -67,10 +68,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import keys
-from ..attention import DEFAULT_BLOCK, get_stabilizer
+from ..attention import DEFAULT_BLOCK, choose_backend, get_stabilizer
 from ..attention.error_stats import bias_stats, unit_means
 from ..attention.reference import causal_mask, reference_attention
 from ..attention.trace import Arithmetic, Trace, trace
+from ..attention.triton_flash import forward_tiles
 from ..numerics.policy import PrecisionPolicy, get_policy
 from .capture import LayerCapture, resolve_layers
 from .state import ProbeState
@@ -159,6 +161,23 @@ def _resolve(cap: LayerCapture, precision, stabilizer):
     return get_policy(precision), get_stabilizer(stabilizer)
 
 
+def _trained_arithmetic(cap: LayerCapture, policy, stab) -> Arithmetic:
+    """The arithmetic as the layer ran it: its policy and stabilizer, its kernel (the spec's
+    ``kernel`` resolved on the captured q, k, v as flash_attention resolves it) and that kernel's
+    tiles (the spec's, else the kernel's defaults: 512 on the PyTorch path, the Triton forward's own).
+    Under the triton kernel, ties and Pbar == 1 are counted on the PyTorch path at the same tiles."""
+    spec = cap.spec
+    block_q, block_k = getattr(spec, "block_q", None), getattr(spec, "block_k", None)
+    kernel = "pytorch"
+    if cap.backend == "flash" and spec is not None and getattr(spec, "delta_hook", None) is None:
+        kernel = choose_backend(cap.q, cap.k, cap.v, precision=policy, stabilizer=stab, block_q=block_q,
+                                block_k=block_k, softcap=cap.softcap, backend=getattr(spec, "kernel", "auto"))
+    if kernel == "triton":
+        head_dim = max(cap.q.shape[-1], cap.v.shape[-1])
+        block_q, block_k = forward_tiles(head_dim, policy.inputs.torch_dtype, block_q, block_k)
+    return Arithmetic(policy, stab, block_q=block_q or DEFAULT_BLOCK, block_k=block_k or DEFAULT_BLOCK, backend=kernel)
+
+
 def _scores64(q, k, *, causal: bool, scale: float, softcap: float | None):
     s = torch.matmul(q.to(torch.float64), k.to(torch.float64).transpose(-2, -1)).mul_(scale)
     if softcap is not None:
@@ -171,8 +190,8 @@ def _scores64(q, k, *, causal: bool, scale: float, softcap: float | None):
 
 
 def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = True) -> Shadow:
-    """Run the layer's attention on the captured batch in the training policy (tiles as the
-    layer trains) and in fp64 (``attention.trace``); with ``grad`` (and a captured dO) also both
+    """Run the layer's attention on the captured batch in the training policy (kernel and tiles
+    as the layer trains: pytorch or triton, see _trained_arithmetic) and in fp64 (``attention.trace``); with ``grad`` (and a captured dO) also both
     backward passes.
 
     The global RNG (used by stochastic rounding) is forked, so training is not disturbed."""
@@ -187,11 +206,14 @@ def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = T
             _, lse = reference_attention(q_in, k_in, v_in, is_causal=cap.causal, scale=scale, softcap=cap.softcap,
                                          return_lse=True)
         else:
-            spec = cap.spec
-            arith = Arithmetic(policy, stab, block_q=getattr(spec, "block_q", None) or DEFAULT_BLOCK,
-                               block_k=getattr(spec, "block_k", None) or DEFAULT_BLOCK)
+            arith = _trained_arithmetic(cap, policy, stab)
             t = trace(cap.q, cap.k, cap.v, cap.do, arith, causal=cap.causal, scale=scale, softcap=cap.softcap,
                       grads=grad)
+            if t.ties is None:  # the triton kernel does not expose its tiles' maxima: count them on the
+                # PyTorch path with the same policy, stabilizer and tiles (forward only)
+                counted = trace(cap.q, cap.k, cap.v, None, dataclasses.replace(arith, backend="pytorch"),
+                                causal=cap.causal, scale=scale, softcap=cap.softcap, grads=False)
+                t = dataclasses.replace(t, ties=counted.ties)
             q_in, k_in, v_in, _ = t.inputs
             lse = t.lse_ref
         s, keep = _scores64(q_in, k_in, causal=cap.causal, scale=scale, softcap=cap.softcap)

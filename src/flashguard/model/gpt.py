@@ -12,7 +12,8 @@ Attention backends (AttentionSpec.backend):
 
 * ``sdpa``       torch.nn.functional.scaled_dot_product_attention (whatever kernel torch picks).
 * ``flash``      flashguard's flash_attention with a PrecisionPolicy and a stabilizer: the
-                 study's object, emulating a chosen low-precision FA2 arithmetic.
+                 study's object, emulating a chosen low-precision FA2 arithmetic; its
+                 ``kernel`` (auto | pytorch | triton) and tiles say which implementation runs it.
 * ``reference``  flashguard's reference_attention in fp32 (autocast disabled inside), cast back
                  to the input dtype: "standard attention in high precision".
 
@@ -37,11 +38,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..attention import flash_attention, get_stabilizer, reference_attention
-from ..attention.function import flash_attention_with_delta_hook
+from ..attention.function import KERNEL_BACKENDS, choose_backend, flash_attention_with_delta_hook
 from ..attention.stabilizers import Stabilizer
+from ..attention.triton_flash import triton_unsupported_settings
 from ..numerics.policy import PrecisionPolicy, get_policy
 
-__all__ = ["GPTConfig", "AttentionSpec", "BACKENDS", "layer_specs", "CausalSelfAttention", "MLP",
+__all__ = ["GPTConfig", "AttentionSpec", "SpecError", "BACKENDS", "KERNELS", "layer_specs", "CausalSelfAttention", "MLP",
            "Block", "GPT"]
 
 
@@ -102,52 +104,88 @@ class GPTConfig:
 # which attention each layer runs
 
 BACKENDS = ("sdpa", "flash", "reference")
-_FLASH_ONLY = ("precision", "stabilizer", "block_q", "block_k", "delta_hook")
+KERNELS = KERNEL_BACKENDS  # which implementation runs a flash layer: flash_attention's backend= (auto | pytorch | triton)
+
+# field metadata: "flash" = used by the flash backend only; "setting" = False for a field that is
+# not a configuration value (the injection's hook, set by code)
+_FLASH = {"flash": True}
+
+
+class SpecError(ValueError):
+    """A bad AttentionSpec value; ``field`` names it (a config names it by its own key)."""
+
+    def __init__(self, field_name: str, problem: str):
+        super().__init__(f"AttentionSpec.{field_name}: {problem}")
+        self.field, self.problem = field_name, problem
 
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """How one layer computes attention.
+    """How one layer computes attention: the one definition of the attention choice (a training
+    config's [attention] section holds one and names its keys after these fields).
 
     ``precision`` (a flashguard preset name or a PrecisionPolicy), ``stabilizer`` (``none``,
-    ``paper``, ``paper:beta=7``, ``safe`` or a Stabilizer) and the tile sizes ``block_q`` /
-    ``block_k`` (None = the library default) are used by the ``flash`` backend only, and so is
-    ``delta_hook``: a callable the layer's backward pass hands its delta to and takes the delta
-    to use from (the error-injection experiment, flashguard.attention.injection; the PyTorch
-    flash path then runs, whatever the device).
+    ``paper``, ``paper:beta=7``, ``safe`` or a Stabilizer), the tile sizes ``block_q`` /
+    ``block_k`` (None = the kernel's default: 512 on the PyTorch path, the Triton kernels' own)
+    and ``kernel`` (flash_attention's backend: ``auto`` = Triton on CUDA when it supports the
+    call, else PyTorch; ``pytorch``; ``triton``, refused here for settings it cannot run) are
+    used by the ``flash`` backend only, and so is ``delta_hook``: a callable the layer's
+    backward pass hands its delta to and takes the delta to use from (the error-injection
+    experiment, flashguard.attention.injection; the PyTorch kernel then runs, so ``kernel``
+    may not be ``triton``).
     """
 
     backend: str = "sdpa"
-    precision: str | PrecisionPolicy = "fa2"
-    stabilizer: str | Stabilizer = "none"
-    block_q: int | None = None
-    block_k: int | None = None
-    delta_hook: Callable | None = None
+    precision: str | PrecisionPolicy = dataclasses.field(default="fa2", metadata=_FLASH)
+    stabilizer: str | Stabilizer = dataclasses.field(default="none", metadata=_FLASH)
+    block_q: int | None = dataclasses.field(default=None, metadata=_FLASH)
+    block_k: int | None = dataclasses.field(default=None, metadata=_FLASH)
+    kernel: str = dataclasses.field(default="auto", metadata=_FLASH)
+    delta_hook: Callable | None = dataclasses.field(default=None, metadata={"flash": True, "setting": False})
 
     def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise ValueError(f"AttentionSpec.backend: unknown backend {self.backend!r}; "
-                             f"known: {', '.join(BACKENDS)}")
-        try:
-            get_policy(self.precision)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"AttentionSpec.precision: {e}") from None
-        try:
-            get_stabilizer(self.stabilizer)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"AttentionSpec.stabilizer: {e}") from None
-        for name in ("block_q", "block_k"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
-                raise ValueError(f"AttentionSpec.{name} must be None or an integer >= 1, got {value!r}")
+        for name in FIELDS:
+            problem = _field_problem(name, getattr(self, name))
+            if problem:
+                raise SpecError(name, problem)
+        if self.delta_hook is not None and self.backend != "flash":
+            raise SpecError("delta_hook", f"applies to the flash backend only, not {self.backend!r}")
+        if self.backend == "flash" and self.kernel == "triton":
+            if self.delta_hook is not None:
+                raise SpecError("kernel", "the injection's delta hook runs on the pytorch kernel, not triton")
+            reason = triton_unsupported_settings(precision=self.precision, stabilizer=self.stabilizer,
+                                                 block_q=self.block_q, block_k=self.block_k)
+            if reason:
+                raise SpecError("kernel", f"the triton kernel cannot run {reason}")
+
+    def with_changes(self, change: Mapping[str, Any]) -> "AttentionSpec":
+        """This spec with the fields in ``change`` set (SpecError for an unknown field, a bad value,
+        or a flash-only field set where the backend is not flash: it would be silently ignored)."""
+        unknown = sorted(set(change) - set(FIELDS))
+        if unknown:
+            raise SpecError(unknown[0], f"unknown field(s) {unknown}; known: {', '.join(FIELDS)}")
+        spec = dataclasses.replace(self, **change)
+        misplaced = sorted(set(change) & set(FLASH_ONLY)) if spec.backend != "flash" else []
+        if misplaced:
+            raise SpecError(misplaced[0], f"{misplaced} only apply to the flash backend, but this layer's "
+                                          f"backend is {spec.backend!r}")
+        return spec
+
+    def settings(self) -> dict:
+        """The fields a configuration sets (all but delta_hook), by name."""
+        return {name: getattr(self, name) for name in SETTINGS}
+
+    def kernel_for(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: float | None = None) -> str:
+        """The flash kernel this spec runs on these inputs, ``pytorch`` or ``triton``: ``kernel``
+        resolved as flash_attention resolves it (choose_backend); the delta hook's path is PyTorch."""
         if self.delta_hook is not None:
-            if not callable(self.delta_hook):
-                raise ValueError(f"AttentionSpec.delta_hook must be None or callable, got {self.delta_hook!r}")
-            if self.backend != "flash":
-                raise ValueError(f"AttentionSpec.delta_hook applies to the flash backend only, not {self.backend!r}")
+            return "pytorch"
+        return choose_backend(q, k, v, precision=self.precision, stabilizer=self.stabilizer, block_q=self.block_q,
+                              block_k=self.block_k, softcap=softcap, backend=self.kernel)
 
     def short_str(self) -> str:
-        """For run names and logs: ``sdpa``, ``reference``, ``flash[paper,safe]``, ``flash[fa2,none,128x128]``."""
+        """For run names and logs: ``sdpa``, ``reference``, ``flash[paper,safe]``, ``flash[fa2,none,128x128]``,
+        ``flash[fa2,none,triton]`` (the kernel when it is not ``auto``)."""
         if self.backend != "flash":
             return self.backend
         prec = self.precision if isinstance(self.precision, str) else self.precision.short_str()
@@ -155,7 +193,36 @@ class AttentionSpec:
         parts = [prec, stab]
         if self.block_q is not None or self.block_k is not None:
             parts.append(f"{self.block_q or 'default'}x{self.block_k or 'default'}")
+        if self.kernel != "auto":
+            parts.append(self.kernel)
         return f"flash[{','.join(parts)}]"
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(AttentionSpec))
+SETTINGS = tuple(f.name for f in dataclasses.fields(AttentionSpec) if f.metadata.get("setting", True))
+FLASH_ONLY = tuple(f.name for f in dataclasses.fields(AttentionSpec) if f.metadata.get("flash", False))
+
+
+def _field_problem(name: str, value) -> str | None:
+    """What is wrong with one AttentionSpec field's value on its own (None: nothing)."""
+    if name == "backend":
+        return None if value in BACKENDS else f"unknown backend {value!r}; known: {', '.join(BACKENDS)}"
+    if name == "kernel":
+        return None if value in KERNELS else f"unknown kernel {value!r}; known: {', '.join(KERNELS)}"
+    lookup = {"precision": get_policy, "stabilizer": get_stabilizer}.get(name)
+    if lookup is not None:
+        try:
+            lookup(value)
+        except (ValueError, TypeError) as e:
+            return str(e)
+        return None
+    if name in ("block_q", "block_k"):
+        if value is not None and (not _is_int(value) or value < 1):
+            return f"must be None or an integer >= 1, got {value!r}"
+        return None
+    if name == "delta_hook" and value is not None and not callable(value):
+        return f"must be None or callable, got {value!r}"
+    return None
 
 
 def layer_specs(default: AttentionSpec, overrides: Mapping[Any, Mapping[str, Any] | AttentionSpec] | None,
@@ -169,22 +236,16 @@ def layer_specs(default: AttentionSpec, overrides: Mapping[Any, Mapping[str, Any
         layer_specs(AttentionSpec("sdpa"), {1: {"backend": "flash", "precision": "paper"}}, 12)
 
     Raises ValueError for an index outside [0, n_layer), an unknown field, or a flash-only
-    field (precision, stabilizer, block_q, block_k) set on a layer whose backend is not flash
-    (it would be silently ignored).
+    field (precision, stabilizer, block_q, block_k, kernel) set on a layer whose backend is not
+    flash (it would be silently ignored).
     """
     if not isinstance(default, AttentionSpec):
         raise TypeError(f"default must be an AttentionSpec, got {type(default).__name__}")
     if not _is_int(n_layer) or n_layer < 1:
         raise ValueError(f"n_layer must be an integer >= 1, got {n_layer!r}")
     specs = [default] * n_layer
-    known = [f.name for f in dataclasses.fields(AttentionSpec)]
     for key, change in (overrides or {}).items():
-        if isinstance(key, str) and key.strip().isdigit():
-            index = int(key)
-        elif _is_int(key):
-            index = int(key)
-        else:
-            raise ValueError(f"attention override key {key!r} is not a layer index")
+        index = layer_index(key)
         if not 0 <= index < n_layer:
             raise ValueError(f"attention override for layer {index}: the model has layers "
                              f"0..{n_layer - 1} (n_layer={n_layer})")
@@ -194,17 +255,20 @@ def layer_specs(default: AttentionSpec, overrides: Mapping[Any, Mapping[str, Any
         if not isinstance(change, Mapping):
             raise ValueError(f"attention override for layer {index} must be a dict of fields or an "
                              f"AttentionSpec, got {type(change).__name__}")
-        unknown = sorted(set(change) - set(known))
-        if unknown:
-            raise ValueError(f"attention override for layer {index}: unknown field(s) {unknown}; "
-                             f"known: {', '.join(known)}")
-        spec = dataclasses.replace(default, **change)  # validates the new values
-        misplaced = sorted(set(change) & set(_FLASH_ONLY)) if spec.backend != "flash" else []
-        if misplaced:
-            raise ValueError(f"attention override for layer {index}: {misplaced} only apply to the "
-                             f"flash backend, but this layer's backend is {spec.backend!r}")
-        specs[index] = spec
+        try:
+            specs[index] = default.with_changes(change)
+        except SpecError as e:
+            raise ValueError(f"attention override for layer {index}: {e}") from None
     return specs
+
+
+def layer_index(key) -> int:
+    """A layer override's key as an index: an int, or a string of digits (TOML keys are strings)."""
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    if _is_int(key):
+        return int(key)
+    raise ValueError(f"attention override key {key!r} is not a layer index")
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,6 +301,9 @@ class CausalSelfAttention(nn.Module):
     def spec(self, spec: AttentionSpec) -> None:
         if not isinstance(spec, AttentionSpec):
             raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
+        if spec.backend == "flash" and spec.kernel == "triton" and self.softcap is not None:
+            raise SpecError("kernel", "the triton kernel cannot run softcap (GPTConfig.attn_softcap); "
+                                      "use kernel auto or pytorch")
         self._spec = spec
 
     @property
@@ -259,7 +326,7 @@ class CausalSelfAttention(nn.Module):
                                                        block_q=s.block_q, block_k=s.block_k, softcap=self.softcap)
             return flash_attention(q, k, v, is_causal=True, precision=s.precision,
                                    stabilizer=s.stabilizer, block_q=s.block_q, block_k=s.block_k,
-                                   softcap=self.softcap)
+                                   softcap=self.softcap, backend=s.kernel)
         # reference: the math in fp32, whatever autocast would do to its matmuls
         with torch.autocast(q.device.type, enabled=False):
             y = reference_attention(q, k, v, is_causal=True, dtype=torch.float32, softcap=self.softcap)

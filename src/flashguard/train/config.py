@@ -50,15 +50,25 @@ class ModelConfig:
     z_loss: float = 0.0
 
 
+def _default_spec():
+    from ..model.gpt import AttentionSpec
+    return AttentionSpec(backend="flash", precision="paper")
+
+
 @dataclass
 class AttentionConfig:
-    backend: str = "flash"            # sdpa | flash | reference
-    precision: str = "paper"          # precision preset (flashguard.numerics.POLICIES)
-    stabilizer: str = "none"          # none | paper | paper:beta=7 | safe
-    block_q: int | None = None
-    block_k: int | None = None
-    # per-layer overrides, e.g. layers."1" = { precision = "fp32" } (the study's localisation)
+    """[attention]: the attention every layer trains with, as the model's own choice
+    (flashguard.model.AttentionSpec): the section's keys are the spec's settings - backend
+    (sdpa | flash | reference), precision, stabilizer, block_q, block_k, kernel (auto | pytorch |
+    triton) - validated by the spec itself and named here by key; ``layers`` changes them per
+    layer, e.g. layers."1" = { precision = "fp32" } (the study's localisation)."""
+    spec: "AttentionSpec" = field(default_factory=_default_spec)   # noqa: F821 (flashguard.model.AttentionSpec)
     layers: dict = field(default_factory=dict)
+
+    def specs(self, n_layer: int) -> list:
+        """One AttentionSpec per layer (ValueError for a layer the model does not have)."""
+        from ..model.gpt import layer_specs
+        return layer_specs(self.spec, {int(k): v for k, v in self.layers.items()}, n_layer)
 
 
 @dataclass
@@ -165,7 +175,10 @@ def config_from_dict(raw: dict) -> RunConfig:
         if not isinstance(value, dict):
             raise ConfigError(f"[{name}] must be a table")
     for name, typ in _SECTIONS.items():
-        cls = {"data": DataConfig, "model": ModelConfig, "attention": AttentionConfig,
+        if name == "attention":
+            sections[name] = _attention_from_dict(raw.get(name, {}))
+            continue
+        cls = {"data": DataConfig, "model": ModelConfig,
                "optim": OptimConfig, "train": TrainConfig, "injection": InjectionConfig}[name]
         fields = {f.name: f for f in dataclasses.fields(cls)}
         kwargs = {}
@@ -177,8 +190,31 @@ def config_from_dict(raw: dict) -> RunConfig:
     return RunConfig(**sections)
 
 
+def _attention_from_dict(raw: dict) -> AttentionConfig:
+    """[attention] as TOML writes it (the spec's settings flat, plus ``layers``) -> AttentionConfig."""
+    from ..model.gpt import SETTINGS, SpecError
+    for key in raw:
+        if key != "layers" and key not in SETTINGS:
+            raise ConfigError(f"unknown config key attention.{key}; known in [attention]: {', '.join((*SETTINGS, 'layers'))}")
+    try:  # replace, not with_changes: a saved sdpa run's section names every setting
+        spec = dataclasses.replace(_default_spec(), **{k: v for k, v in raw.items() if k != "layers"})
+    except SpecError as e:
+        raise ConfigError(f"attention.{e.field}: {e.problem}") from None
+    layers = raw.get("layers", {})
+    if not isinstance(layers, dict):
+        raise ConfigError(f"attention.layers must be a table of layer changes, got {layers!r}")
+    return AttentionConfig(spec=spec, layers=layers)
+
+
 def config_to_dict(cfg: RunConfig) -> dict:
-    return dataclasses.asdict(cfg)
+    out = {}
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if isinstance(section, AttentionConfig):
+            out[f.name] = {**section.spec.settings(), "layers": {k: dict(v) for k, v in section.layers.items()}}
+        else:
+            out[f.name] = dataclasses.asdict(section)
+    return out
 
 
 def _validate(cfg: RunConfig) -> None:
@@ -215,27 +251,34 @@ def _validate(cfg: RunConfig) -> None:
     need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1/beta2", "must lie in [0, 1)")
     need(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     need(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0: off)")
-    a = cfg.attention
-    need(a.backend in ("sdpa", "flash", "reference"), "attention.backend",
-         f"must be sdpa, flash or reference, got {a.backend!r}")
-    for key, value in a.layers.items():
-        need(str(key).isdigit(), f"attention.layers.{key}", "must be a layer index (0, 1, ...)")
-        need(isinstance(value, dict), f"attention.layers.{key}", "must be a table of attention fields")
-        for sub in value:
-            need(sub in ("backend", "precision", "stabilizer", "block_q", "block_k"),
-                 f"attention.layers.{key}.{sub}", "is not an attention field")
-    # precision policies and stabilizers, refused under their config key (not the model's AttentionSpec)
-    from ..attention.stabilizers import get_stabilizer
-    from ..numerics.policy import get_policy
-    for where, table in [("attention", {"precision": a.precision, "stabilizer": a.stabilizer}),
-                         *((f"attention.layers.{k}", v) for k, v in a.layers.items())]:
-        for name, lookup in (("precision", get_policy), ("stabilizer", get_stabilizer)):
-            if name in table:
-                try:
-                    lookup(table[name])
-                except (ValueError, TypeError) as e:
-                    raise ConfigError(f"{where}.{name}: {e}") from None
+    _validate_attention(cfg.attention)
     _validate_injection(cfg.injection)
+
+
+def _validate_attention(a: AttentionConfig) -> None:
+    """The attention section: a spec a config can hold (named presets, no hook) and per-layer
+    changes that the spec accepts, each refused under its key (attention.layers.1.precision: ...)."""
+    from ..model.gpt import SETTINGS, AttentionSpec, SpecError
+    if not isinstance(a.spec, AttentionSpec):
+        raise ConfigError(f"attention.spec must be a flashguard.model.AttentionSpec, got {type(a.spec).__name__}")
+    for name in ("precision", "stabilizer"):
+        if not isinstance(getattr(a.spec, name), str):
+            raise ConfigError(f"attention.{name} must be a name (a config is saved as TOML), got {getattr(a.spec, name)!r}")
+    if a.spec.delta_hook is not None:
+        raise ConfigError("attention.delta_hook is not a config key (the [injection] section installs hooks)")
+    for key, value in a.layers.items():
+        where = f"attention.layers.{key}"
+        if not str(key).isdigit():
+            raise ConfigError(f"{where} must be a layer index (0, 1, ...)")
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} must be a table of attention fields")
+        for sub in value:
+            if sub not in SETTINGS:
+                raise ConfigError(f"{where}.{sub} is not an attention field; known: {', '.join(SETTINGS)}")
+        try:
+            a.spec.with_changes(value)
+        except SpecError as e:
+            raise ConfigError(f"{where}.{e.field}: {e.problem}") from None
 
 
 def _validate_injection(inj: "InjectionConfig") -> None:

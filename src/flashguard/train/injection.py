@@ -26,12 +26,15 @@ def injected_layers(model, layers) -> list[int]:
     if not layers:
         if not flash:
             raise ConfigError("injection: no layer runs the flash backend (the injection acts on its backward)")
-        return flash
+        layers = flash
     for i in layers:
         if not 0 <= i < len(specs):
             raise ConfigError(f"injection.layers: layer {i} does not exist (layers 0..{len(specs) - 1})")
         if specs[i].backend != "flash":
             raise ConfigError(f"injection.layers: layer {i} runs the {specs[i].backend} backend, not flash")
+        if specs[i].kernel == "triton":
+            raise ConfigError(f"injection: layer {i} runs attention.kernel = triton; the injection's backward "
+                              "runs on the pytorch kernel (set attention.kernel = auto or pytorch)")
     return sorted(layers)
 
 

@@ -103,19 +103,25 @@ def gpt_config(cfg: RunConfig):
 
 def build_model(cfg: RunConfig, vocab_size_data: int | None = None):
     """The GPT of a run configuration (per-layer attention overrides applied)."""
-    from ..model import GPT, AttentionSpec, layer_specs
+    from ..model import GPT
     gcfg = gpt_config(cfg)
     if vocab_size_data is not None and vocab_size_data > gcfg.vocab_size:
         raise ConfigError(f"model.vocab_size ({gcfg.vocab_size}) is smaller than the data's vocabulary "
                           f"({vocab_size_data}); set model.vocab_size or prepare the data with another tokenizer")
-    a = cfg.attention
     try:
-        default = AttentionSpec(backend=a.backend, precision=a.precision, stabilizer=a.stabilizer,
-                                block_q=a.block_q, block_k=a.block_k)
-        specs = layer_specs(default, {int(k): v for k, v in a.layers.items()}, gcfg.n_layer)
+        return GPT(gcfg, cfg.attention.specs(gcfg.n_layer))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"attention: {e}") from None
-    return GPT(gcfg, specs)
+
+
+def _check_kernels(model, device: torch.device) -> None:
+    """A layer whose kernel is triton needs triton and a device it runs on (refused before step 0)."""
+    from ..attention.triton_flash import triton_device_problem
+    for i, spec in enumerate(model.attention_specs):
+        if spec.backend == "flash" and spec.kernel == "triton":
+            problem = triton_device_problem(device)
+            if problem:
+                raise ConfigError(f"attention.kernel = triton (layer {i}) cannot run: {problem}")
 
 
 def _all_mean(x: torch.Tensor, world: int) -> torch.Tensor:
@@ -144,6 +150,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
 
     torch.manual_seed(t.seed)
     model = build_model(cfg, data.vocab_size).to(device)
+    _check_kernels(model, device)
     # [injection]: delta hooks in the chosen flash layers, their draws keyed by (seed, step, call, layer, rank)
     from .injection import install_injection
     injection = install_injection(model, cfg, rank=rank)

@@ -93,10 +93,10 @@ def _plain_run(d: Path, name: str) -> Run:
     summary = summarize_run(d)
     title = "(no config.toml)"
     if cfg:
-        a = cfg.attention
+        a, layers = cfg.attention.spec, cfg.attention.layers
         title = f"{a.backend} attention, {a.precision} arithmetic, stabilizer {a.stabilizer}"
-        if a.layers:
-            title += "; per layer " + ", ".join(f"L{k}: {v}" for k, v in sorted(a.layers.items()))
+        if layers:
+            title += "; per layer " + ", ".join(f"L{k}: {v}" for k, v in sorted(layers.items()))
     return Run(name, "main", title, d, records, summary)
 
 
@@ -170,7 +170,7 @@ def load_study(dirs: list[Path | str], lab: Path | str | None = None) -> Study:
         cfgs = [c for c in (_config(p) for p in plain) if c]
         study.meta = {"preset": _distinct(c.model.preset for c in cfgs),
                       "steps": _distinct(c.train.steps for c in cfgs), "seed": _distinct(c.train.seed for c in cfgs),
-                      "base_precision": _distinct(c.attention.precision for c in cfgs)}
+                      "base_precision": _distinct(c.attention.spec.precision for c in cfgs)}
     lab_dir = Path(lab) if lab is not None else labs[0] if labs else None
     if lab_dir is not None:
         study.lab = _load_lab(lab_dir)

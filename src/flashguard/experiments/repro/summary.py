@@ -44,5 +44,5 @@ def summarize_run(run: str | Path, steps: int | None = None) -> dict:
         "last_val": vals[-1] if vals else None,
         "wall_s": sum(r.get(keys.STEP_TIME, 0.0) for r in recs),
         "status": status,
-        "precision": cfg.attention.precision if cfg else None,
+        "precision": cfg.attention.spec.precision if cfg else None,
     }
