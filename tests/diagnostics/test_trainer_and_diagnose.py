@@ -103,6 +103,21 @@ def test_diagnose_errors_and_monitor_mode(probed_run, tmp_path, capsys):
     assert json.loads((tmp_path / "m.json").read_text())["diverged"] is False
 
 
+def test_diagnose_plots_mode_draws_the_runs_probe_series(probed_run, tmp_path, capsys):
+    probed, _, _ = probed_run
+    assert run_diagnose(_args(probed, "--plots")) == 0
+    names = ["wq_spectral_norms", "wk_spectral_norms", "tie_rate", "delta_bias", "wq_err_singular_values", "monitor"]
+    folder = probed / "diagnostics" / "plots"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(f"{n}.png" for n in names)
+    out = capsys.readouterr().out
+    assert all(f"written: {folder / n}.png" in out for n in names) and "no divergence" not in out
+    assert run_diagnose(_args(probed, "--plots", "--monitor")) == 0   # both
+    assert "no divergence" in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_diagnose(_args(empty, "--plots")) == 2 and "metrics.jsonl" in capsys.readouterr().err
+
+
 def test_resumed_run_continues_the_probes_exactly(tiny_data, tmp_path, monkeypatch, probed_run):
     probed, _, _ = probed_run
     crashed = tmp_path / "crashed"

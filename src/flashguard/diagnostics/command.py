@@ -10,7 +10,9 @@ a checkpoint at a probe step reproduces the trainer's own probe record of that s
 
 Prints a table per layer and writes everything (metrics, per-feature O bias, singular-value
 spectrum, what ran) as JSON to --out (default RUN_DIR/diagnostics/diagnose_<S>.json).
-``--monitor`` instead replays RUN_DIR/metrics.jsonl through the early-warning monitor.
+``--monitor`` instead replays RUN_DIR/metrics.jsonl through the early-warning monitor;
+``--plots`` instead draws that log's probe series (``flashguard.diagnostics.plots``) as PNGs
+into RUN_DIR/diagnostics/plots/ (both flags: both).
 
 Wiring (flashguard.cli)::
 
@@ -29,7 +31,7 @@ from pathlib import Path
 
 from .. import keys
 
-__all__ = ["add_diagnose_arguments", "run_diagnose", "diagnose", "format_table", "main"]
+__all__ = ["add_diagnose_arguments", "run_diagnose", "diagnose", "write_plots", "format_table", "main"]
 
 
 def add_diagnose_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +53,8 @@ def add_diagnose_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--monitor", action="store_true",
                         help="only replay RUN_DIR/metrics.jsonl through the early-warning monitor")
+    parser.add_argument("--plots", action="store_true",
+                        help="only plot RUN_DIR/metrics.jsonl's probe series into RUN_DIR/diagnostics/plots/")
 
 
 def _fmt(x) -> str:
@@ -171,11 +175,37 @@ def diagnose(run_dir, *, step: int | None = None, layers=None, data_dir=None, se
     }
 
 
+def write_plots(run_dir, out_dir=None) -> list[Path]:
+    """The run's probe series from its metrics.jsonl as PNGs (``flashguard.diagnostics.plots``)
+    in ``out_dir`` (default RUN_DIR/diagnostics/plots); returns their paths."""
+    from ..utils.jsonl import read_metrics
+    from . import plots
+
+    recs = read_metrics(run_dir)
+    out = Path(out_dir) if out_dir is not None else Path(run_dir) / "diagnostics" / "plots"
+    return [plots.plot_spectral_norms(recs, out / "wq_spectral_norms.png"),
+            plots.plot_spectral_norms(recs, out / "wk_spectral_norms.png", which="wk"),
+            plots.plot_tie_rate(recs, out / "tie_rate.png"),
+            plots.plot_delta_bias(recs, out / "delta_bias.png"),
+            plots.plot_singular_values(recs, out / "wq_err_singular_values.png"),
+            plots.plot_monitor(recs, out / "monitor.png")]
+
+
 def run_diagnose(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         print(f"flashguard diagnose: error: {run_dir} is not a folder", file=sys.stderr)
         return 2
+    if args.plots:
+        try:
+            paths = write_plots(run_dir)
+        except FileNotFoundError as e:
+            print(f"flashguard diagnose: error: {e}", file=sys.stderr)
+            return 2
+        for path in paths:
+            print(f"written: {path}")
+        if not args.monitor:
+            return 0
     if args.monitor:
         from .evaluation import evaluate_run
         ev = evaluate_run(run_dir)

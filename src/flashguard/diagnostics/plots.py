@@ -4,7 +4,8 @@ Each ``plot_*`` function takes the records of a run (a list of dicts, e.g.
 ``flashguard.utils.jsonl.read_metrics(run)``), writes one PNG atomically (a reader never sees half a file) and
 returns its path; a figure with nothing to show says so in its title instead of failing. Its
 ``*_figure`` twin (same arguments, no path) returns the matplotlib Figure instead, for callers
-that want to look at or change it (close it with ``matplotlib.pyplot.close``).
+that want to look at or change it (close it with ``matplotlib.pyplot.close``). ``flashguard diagnose RUN_DIR
+--plots`` (``command.write_plots``) writes them all for a run.
 
 * ``plot_spectral_norms``  per-head W_Q (or W_K) spectral norm against step, a panel per layer
 * ``plot_tie_rate``        tie rate (and the fraction of rows with >= 2 Pbar == 1) against step
