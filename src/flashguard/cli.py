@@ -107,8 +107,9 @@ def _lab(args) -> int:
 def _train(args) -> int:
     from .train import EXIT_DIVERGED, load_config, train
     from .train.shipped import find_config
+    from .diagnostics import DiagnosticsHook
     cfg = load_config(find_config(args.config), args.overrides)
-    result = train(cfg, args.out, resume=args.resume, replay=args.replay)
+    result = train(cfg, args.out, resume=args.resume, replay=args.replay, hooks=[DiagnosticsHook()])
     if result.diverged and cfg.train.on_divergence == "stop":
         print(f"run diverged at step {result.steps_done}; see {args.out}/divergence.json", file=sys.stderr)
         return EXIT_DIVERGED

@@ -18,7 +18,7 @@ import pytest
 
 from run_helpers import MICRO, micro_overrides
 from flashguard import keys
-from flashguard.diagnostics import Monitor, MonitorThresholds, read_metrics
+from flashguard.diagnostics import DiagnosticsHook, Monitor, MonitorThresholds, read_metrics
 from flashguard.diagnostics import plots
 from flashguard.diagnostics.command import format_table
 from flashguard.experiments.repro import claims
@@ -38,7 +38,7 @@ def run(tiny_data, tmp_path_factory) -> Path:
         "train.steps": STEPS, "train.diagnostics_every": 1, "train.eval_every": 4,
         "train.divergence_loss": 0.001, "train.on_divergence": '"continue"'}))
     assert (cfg.model.preset, cfg.attention.spec.backend) == ("micro", "flash")
-    train(cfg, out, log_fn=lambda m: None)
+    train(cfg, out, log_fn=lambda m: None, hooks=[DiagnosticsHook()])
     return out
 
 
@@ -77,7 +77,7 @@ def test_a_failing_probe_writes_the_failure_key(tiny_data, tmp_path, monkeypatch
 
     monkeypatch.setattr(hook, "run_probes", broken)
     train(load_config(MICRO, micro_overrides(tiny_data, **{"train.steps": 1, "train.diagnostics_every": 1})),
-          tmp_path / "r", log_fn=lambda m: None)
+          tmp_path / "r", log_fn=lambda m: None, hooks=[DiagnosticsHook()])
     assert read_metrics(tmp_path / "r")[0][keys.DIAGNOSTICS_FAILED] == 1.0
 
 

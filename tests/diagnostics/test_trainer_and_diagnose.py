@@ -7,7 +7,7 @@ import json
 import pytest
 
 from run_helpers import MICRO, crash_at, micro_overrides
-from flashguard.diagnostics import ProbeState
+from flashguard.diagnostics import DiagnosticsHook, ProbeState
 from flashguard.diagnostics.command import add_diagnose_arguments, run_diagnose
 from flashguard.train import ConfigError, JsonlLog, config_to_toml, load_config, train
 
@@ -26,7 +26,7 @@ def probed_run(tiny_data, tmp_path_factory):
     logs = []
     train(load_config(MICRO, micro_overrides(tiny_data, **{"train.diagnostics_every": 3,
                                                             "train.diagnostics_layers": "[1]"})),
-          probed, log_fn=logs.append)
+          probed, log_fn=logs.append, hooks=[DiagnosticsHook()])
     train(load_config(MICRO, micro_overrides(tiny_data)), plain)
     return probed, plain, logs
 
@@ -125,9 +125,9 @@ def test_resumed_run_continues_the_probes_exactly(tiny_data, tmp_path, monkeypat
                                                           "train.diagnostics_layers": "[1]"}))
     crash_at(monkeypatch, 5)
     with pytest.raises(KeyboardInterrupt):
-        train(cfg, crashed)
+        train(cfg, crashed, hooks=[DiagnosticsHook()])
     monkeypatch.undo()
-    train(cfg, crashed, resume=True)   # from the checkpoint at 3: redoes the probe at step 3
+    train(cfg, crashed, resume=True, hooks=[DiagnosticsHook()])   # from the checkpoint at 3: redoes the probe at step 3
     a = [_strip_time(r) for r in JsonlLog.read(crashed / "metrics.jsonl")]
     b = [_strip_time(r) for r in JsonlLog.read(probed / "metrics.jsonl")]
     assert a == b
@@ -148,7 +148,12 @@ def test_config_keys_parse_round_trip_and_are_checked(tiny_data, tmp_path):
             load_config(MICRO, [bad])
     with pytest.raises(ConfigError, match="diagnostics_layers"):   # micro has layers 0 and 1
         train(load_config(MICRO, micro_overrides(tiny_data, **{"train.diagnostics_every": 1,
-                                                               "train.diagnostics_layers": "[2]"})), tmp_path / "r")
+                                                               "train.diagnostics_layers": "[2]"})), tmp_path / "r",
+              hooks=[DiagnosticsHook()])
+    # the probes are a hook the caller passes: a run that asks for them without it is refused
+    with pytest.raises(ConfigError, match="train.diagnostics_every = 1 needs the diagnostics hook"):
+        train(load_config(MICRO, micro_overrides(tiny_data, **{"train.diagnostics_every": 1})), tmp_path / "r2")
+    assert not (tmp_path / "r2").exists()
 
 
 def test_trainer_hook_survives_a_failing_probe_and_prunes_snapshots(tmp_path, monkeypatch):

@@ -7,8 +7,9 @@
 * ``LayerCapture`` / ``CaptureHooks`` / ``capture_batch``: how the probes get a layer's
   q, k, v, dO and qkv input (from a training step, or a forward/backward of their own);
 * ``ProbeState``: what spans probes (previous norms, running sums, previous errors), JSON;
-* the trainer hook (``train.diagnostics_every``, ``train.diagnostics_layers``;
-  ``flashguard.diagnostics.trainer``) and ``flashguard diagnose`` (``.command``);
+* the trainer hook ``DiagnosticsHook`` (``train.diagnostics_every``, ``train.diagnostics_layers``;
+  ``flashguard.diagnostics.trainer``), passed to ``train(..., hooks=[DiagnosticsHook()])``, and
+  ``flashguard diagnose`` (``.command``);
 * ``Monitor`` (``.monitor``): ok / watch / warning, online;
 * ``evaluate_run`` / ``evaluate_runs`` (``.evaluation``; command line ``.evaluate``): the
   monitor replayed offline on finished runs, its lead time measured against the divergence
@@ -24,11 +25,11 @@ from .monitor import OK, STATE_NAMES, WARNING, WATCH, Monitor, MonitorStatus, Mo
 from .probes import (attention_metrics, error_structure, gradient_error_metrics, map_dq_to_wq, numerics_metrics,
                      probe_layer, run_probes, shadow, spectral_norms, weight_probe)
 from .state import ProbeState
-from .trainer import DEFAULT_EVERY, TrainerDiagnostics
+from .trainer import DEFAULT_EVERY, DiagnosticsHook, TrainerDiagnostics
 
 __all__ = ["LayerCapture", "CaptureHooks", "capture_batch", "resolve_layers", "ProbeState",
            "weight_probe", "spectral_norms", "shadow", "attention_metrics", "numerics_metrics",
            "gradient_error_metrics", "error_structure", "map_dq_to_wq", "probe_layer", "run_probes",
            "Monitor", "MonitorThresholds", "MonitorStatus", "RunEvaluation", "evaluate_run", "evaluate_runs",
            "find_divergence", "read_metrics", "OK", "WATCH", "WARNING", "STATE_NAMES",
-           "TrainerDiagnostics", "DEFAULT_EVERY"]
+           "TrainerDiagnostics", "DiagnosticsHook", "DEFAULT_EVERY"]

@@ -1,5 +1,10 @@
 """The trainer's diagnostics hook (``train.diagnostics_every``, ``train.diagnostics_layers``).
 
+    train(cfg, run_dir, hooks=[DiagnosticsHook()])   # flashguard train and repro pass it
+
+``DiagnosticsHook`` is a flashguard.train.hooks.TrainHook: the training loop does not know the
+diagnostics; they plug in from above. It does nothing when ``train.diagnostics_every = 0``.
+
 When probes run: on a step with ``step % diagnostics_every == 0`` the probes read that step's
 *own* forward and backward - hooks record the chosen layers' q, k, v, the qkv input and dO
 during the first micro-batch (no extra model forward or backward) - and run after the
@@ -28,13 +33,14 @@ import traceback
 from pathlib import Path
 
 from .. import keys
+from ..train.hooks import RunInfo, StepInfo, TrainHook
 from .capture import CaptureHooks, resolve_layers
 from ..utils.jsonl import read_metrics
 from .monitor import Monitor, MonitorThresholds
 from .probes import run_probes
 from .state import ProbeState
 
-__all__ = ["TrainerDiagnostics", "DEFAULT_EVERY"]
+__all__ = ["TrainerDiagnostics", "DiagnosticsHook", "DEFAULT_EVERY"]
 
 # The recommended interval. One probe of all four tiny-cpu layers costs about two training
 # steps (benchmarks/diagnostics.py: 2.5 s against 1.26 s per step), so every 50 steps adds
@@ -43,7 +49,7 @@ DEFAULT_EVERY = 50
 
 
 class TrainerDiagnostics:
-    """Created by the trainer on the main process when ``train.diagnostics_every > 0``.
+    """Created by DiagnosticsHook on the main process when ``train.diagnostics_every > 0``.
 
         diag = TrainerDiagnostics(cfg, raw_model, run_dir, start=start, log_fn=print)
         each step:  diag.begin(step)   # before the forward: hooks if the probes are due
@@ -125,3 +131,35 @@ class TrainerDiagnostics:
         for s, p in snaps:
             if s < floor:
                 p.unlink(missing_ok=True)
+
+
+class DiagnosticsHook(TrainHook):
+    """The probes and the monitor as a hook of the training loop (main process only): the capture
+    hooks go in at ``step_begin`` when the probes are due, probes and monitor write into the step's
+    record at ``after_backward`` (before the optimizer step; a probed step's record is always
+    written), and the capture hooks come out at ``end``."""
+
+    config_keys = ("train.diagnostics_every", "train.diagnostics_layers")
+
+    def __init__(self):
+        self.diag: TrainerDiagnostics | None = None
+        self._grad_scale = 1.0
+
+    def start(self, run: RunInfo) -> None:
+        if run.main and run.cfg.train.diagnostics_every:
+            self.diag = TrainerDiagnostics(run.cfg, run.model, run.run_dir, start=run.start, log_fn=run.log)
+            self._grad_scale = run.cfg.train.grad_accum
+
+    def step_begin(self, step: int, model) -> None:
+        if self.diag is not None:
+            self.diag.begin(step)
+
+    def after_backward(self, step: StepInfo) -> None:
+        if self.diag is not None:
+            self.diag.end(step.step, step.record, grad_scale=self._grad_scale)
+            if keys.DIAGNOSTICS_TIME in step.record:
+                step.keep = True
+
+    def end(self, result) -> None:
+        if self.diag is not None:
+            self.diag.close()

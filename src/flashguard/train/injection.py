@@ -3,6 +3,9 @@
     clock = install_injection(model, cfg, rank=rank)   # None when injection.rule = "none"
     each step: clock.begin_step(step)                  # before the step's forward/backward
 
+The trainer does both through ``InjectionHook`` (a flashguard.train.hooks.TrainHook):
+``InjectionHook.install(model, cfg, rank=rank)`` when it builds the model, ``step_begin`` each step.
+
 The hooks ride on the layers' AttentionSpecs (``delta_hook``), so nothing global changes and a
 model built without them (diagnose, the report) runs the plain arithmetic. The draws depend on
 (injection seed, step, call within the step, layer, rank) only: a resumed or replayed run draws
@@ -14,8 +17,9 @@ import dataclasses
 
 from ..attention.injection import DeltaHook, InjectionClock
 from .config import ConfigError, RunConfig, injection_of
+from .hooks import TrainHook
 
-__all__ = ["install_injection", "injected_layers"]
+__all__ = ["install_injection", "injected_layers", "InjectionHook"]
 
 
 def injected_layers(model, layers) -> list[int]:
@@ -50,3 +54,20 @@ def install_injection(model, cfg: RunConfig, *, rank: int = 0, observer=None) ->
         specs[i] = dataclasses.replace(specs[i], delta_hook=DeltaHook(injection, i, clock, observer=observer))
     model.set_attention(specs)
     return clock
+
+
+class InjectionHook(TrainHook):
+    """The [injection] section as a hook of the training loop: the hooks go into the model when it
+    is built (``install``), and the clock learns each step before its forward pass."""
+
+    def __init__(self, clock: InjectionClock):
+        self.clock = clock
+
+    @classmethod
+    def install(cls, model, cfg: RunConfig, *, rank: int = 0) -> "InjectionHook | None":
+        """install_injection as a hook (None for injection.rule = none)."""
+        clock = install_injection(model, cfg, rank=rank)
+        return None if clock is None else cls(clock)
+
+    def step_begin(self, step: int, model) -> None:
+        self.clock.begin_step(step)

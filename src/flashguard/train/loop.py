@@ -7,6 +7,11 @@ same global batch and DDP averages the gradients, so a run's numbers do not depe
 number of processes (up to summation order). On CPU a run resumed from a checkpoint
 reproduces the uninterrupted run bit for bit: the checkpoint holds model, optimizer, the
 sampler's generator, torch's RNG and the step, and the logs are cut back to that step.
+
+What rides along is plugged in from above: ``hooks`` (flashguard.train.hooks.TrainHook: the
+diagnostics' probes, flashguard.diagnostics.DiagnosticsHook, are one; the [injection] section
+is another, added by the loop itself) and one logger (flashguard.train.loggers: metrics.jsonl,
+TensorBoard, the console).
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ from ..utils.jsonl import read_jsonl
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import ConfigError, RunConfig, config_to_dict, load_config, save_config
 from .divergence import LossWatch
+from .hooks import RunInfo, StepInfo, TrainHook
+from .loggers import run_logger
 from .schedule import learning_rate
 
 __all__ = ["train", "TrainResult", "EXIT_OK", "EXIT_CONFIG", "EXIT_DIVERGED", "JsonlLog", "build_model", "gpt_config"]
@@ -132,10 +139,26 @@ def _all_mean(x: torch.Tensor, world: int) -> torch.Tensor:
     return x
 
 
+def _check_hooks(cfg: RunConfig, hooks) -> list:
+    hooks = list(hooks)
+    for h in hooks:
+        if not isinstance(h, TrainHook):
+            raise TypeError(f"hooks must be flashguard.train.hooks.TrainHook instances, got {type(h).__name__}")
+    claimed = {k for h in hooks for k in h.config_keys}
+    if cfg.train.diagnostics_every and "train.diagnostics_every" not in claimed:
+        raise ConfigError(f"train.diagnostics_every = {cfg.train.diagnostics_every} needs the diagnostics hook: "
+                          "train(cfg, run_dir, hooks=[flashguard.diagnostics.DiagnosticsHook()]) "
+                          "(flashguard train and repro pass it)")
+    return hooks
+
+
 def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: str | Path | None = None,
-          log_fn=print) -> TrainResult:
+          log_fn=print, hooks=()) -> TrainResult:
+    """Train ``cfg`` into ``run_dir``. ``hooks``: TrainHooks called at the loop's points
+    (flashguard.train.hooks); ``log_fn`` receives the console lines."""
     from ..data import TokenDataset
 
+    hooks = _check_hooks(cfg, hooks)
     run_dir = Path(run_dir)
     world, rank, device = _setup_distributed(cfg.train.device)
     main = rank == 0
@@ -152,8 +175,10 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
     model = build_model(cfg, data.vocab_size).to(device)
     _check_kernels(model, device)
     # [injection]: delta hooks in the chosen flash layers, their draws keyed by (seed, step, call, layer, rank)
-    from .injection import install_injection
-    injection = install_injection(model, cfg, rank=rank)
+    from .injection import InjectionHook
+    injection = InjectionHook.install(model, cfg, rank=rank)
+    if injection is not None:
+        hooks.insert(0, injection)
     block = model.config.block_size
     for split in ("train", "val"):
         if data.num_tokens(split) <= block + 1:
@@ -166,7 +191,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     sampler = torch.Generator().manual_seed(t.seed + 1)
-    start, best_val = 0, None
+    start, best_val, resumed_from = 0, None, None
     metrics_path, batches_path = run_dir / "metrics.jsonl", run_dir / "batches.jsonl"
     if resume:
         ckpt_path = latest_checkpoint(run_dir)
@@ -181,7 +206,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
         if main:
             JsonlLog.truncate_after(metrics_path, start - 1)
             JsonlLog.truncate_after(batches_path, start - 1)
-            log_fn(f"resumed from {ckpt_path} at step {start}")
+            resumed_from = ckpt_path
     elif main:
         run_dir.mkdir(parents=True, exist_ok=True)
         if latest_checkpoint(run_dir) is not None or metrics_path.exists():
@@ -201,23 +226,14 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
             raise ConfigError(f"--replay: data.batch_size {cfg.data.batch_size} differs from the replayed run's "
                               f"{other.data.batch_size}")
 
-    metrics = JsonlLog(metrics_path, main)
+    logger = run_logger(cfg, run_dir, main=main, start=start, log_fn=log_fn)
     batches = JsonlLog(batches_path, main)
-    tb = None
-    if main and t.tensorboard:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise ConfigError("train.tensorboard = true needs the tensorboard package (pip install tensorboard)") from None
-        tb = SummaryWriter(str(run_dir / "tensorboard"))
+    if resumed_from is not None:
+        logger.message(f"resumed from {resumed_from} at step {start}")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.autocast == "bf16")
     per_rank = cfg.data.batch_size // world
     micro = per_rank // t.grad_accum
     tokens_per_step = cfg.data.batch_size * block
-    bar = None
-    if main and t.progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=t.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
     def evaluate() -> float:
         gen = torch.Generator().manual_seed(t.seed + 2)  # the same validation batches every time
@@ -231,24 +247,18 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
         raw_model.train()
         return float(sum(losses) / len(losses))
 
-    # --- diagnostics (flashguard.diagnostics.trainer): probes every train.diagnostics_every steps
-    # on the step's own forward/backward, run before optimizer.step(); monitor on every step ---
-    diag = None
-    if main and t.diagnostics_every:
-        from ..diagnostics.trainer import TrainerDiagnostics
-        diag = TrainerDiagnostics(cfg, raw_model, run_dir, start=start, log_fn=log_fn)
-    # --- end diagnostics ---
-
-    last_loss, diverged, step = float("nan"), False, start
+    last_loss, diverged, step, result = float("nan"), False, start, None
     watch = LossWatch(t.divergence_factor, after=o.warmup_steps, ceiling=t.divergence_loss)
     if resume:
         watch.best = state.get("loss_min", watch.best)
     try:
+        run = RunInfo(cfg=cfg, run_dir=run_dir, model=raw_model, start=start, rank=rank, world=world,
+                      log=logger.message)
+        for h in hooks:
+            h.start(run)
         for step in range(start, t.steps):
-            if injection is not None:
-                injection.begin_step(step)
-            if diag is not None:  # (diagnostics) capture hooks when the probes are due
-                diag.begin(step)
+            for h in hooks:
+                h.step_begin(step, raw_model)
             t0 = time.perf_counter()
             lr = learning_rate(step, o, t.steps)
             for g in optimizer.param_groups:
@@ -273,19 +283,22 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
             train_loss = _all_mean(loss_sum, world).item()
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), o.grad_clip or float("inf")).item()
             record = {keys.STEP: step, keys.LOSS_TRAIN: train_loss, keys.LR: lr, keys.GRAD_NORM: grad_norm}
-            if diag is not None:  # (diagnostics) probes + monitor into the record, before optimizer.step()
-                diag.end(step, record, grad_scale=t.grad_accum)
+            info = StepInfo(step=step, model=raw_model, indices=indices, record=record)
+            for h in hooks:  # e.g. the probes and the monitor, into the record, before optimizer.step()
+                h.after_backward(info)
             bad = watch.update(step, train_loss, grad_norm) is not None
             if bad:
                 diverged = True
                 record[keys.DIVERGED] = 1
                 if main:
                     _write_divergence(run_dir, step, record, indices, train_loss, grad_norm)
-                    log_fn(f"divergence at step {step}: loss {train_loss:.4g}, grad norm {grad_norm:.4g}"
+                    logger.message(f"divergence at step {step}: loss {train_loss:.4g}, grad norm {grad_norm:.4g}"
                            f" (details in {run_dir / 'divergence.json'})")
             if not bad or (t.on_divergence == "continue" and math.isfinite(grad_norm)):
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            for h in hooks:
+                h.after_optimizer_step(info)
             batches.write({"step": step, "indices": indices.tolist()})
             dt = time.perf_counter() - t0
             record[keys.STEP_TIME] = dt
@@ -299,36 +312,32 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
                 best_val = val if is_best else best_val
             else:
                 is_best = False
-            if step % t.log_every == 0 or keys.LOSS_VAL in record or bad or keys.DIAGNOSTICS_TIME in record:
-                metrics.write(record)
-                if tb is not None:
-                    for k, v in record.items():
-                        if k != "step":
-                            tb.add_scalar(k, v, step)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{train_loss:.4f}", tok_s=f"{record[keys.TOKENS_PER_S]:.0f}")
+            if step % t.log_every == 0 or keys.LOSS_VAL in record or bad or info.keep:
+                logger.metrics(record)
+            logger.progress(record)
             if bad and t.on_divergence == "stop":
                 break
             if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps or is_best:
+                path = None
                 if main:
                     state = {"step": done, "model": raw_model.state_dict(), "optim": optimizer.state_dict(),
                              "data_rng": sampler.get_state(), "torch_rng": torch.get_rng_state(),
                              "best_val": best_val, "loss_min": watch.best, "config": config_to_dict(cfg), "world_size": world}
-                    save_checkpoint(run_dir, done, state, t.keep_last, best=is_best)
+                    path = save_checkpoint(run_dir, done, state, t.keep_last, best=is_best)
                 if world > 1:
                     dist.barrier()
+                for h in hooks:
+                    h.checkpoint(done, path)
+        steps_done = step if diverged and t.on_divergence == "stop" else t.steps
+        result = TrainResult(run_dir, steps_done, diverged, last_loss, best_val)
     finally:
-        if diag is not None:  # (diagnostics)
-            diag.close()
-        metrics.close()
-        batches.close()
-        if bar is not None:
-            bar.close()
-        if tb is not None:
-            tb.close()
-    steps_done = step if diverged and t.on_divergence == "stop" else t.steps
-    return TrainResult(run_dir, steps_done, diverged, last_loss, best_val)
+        try:
+            for h in hooks:
+                h.end(result)
+        finally:
+            logger.close()
+            batches.close()
+    return result
 
 
 def _last_ce(model, loss: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,8 @@ def train_run(spec, base: Path, common: list[str], steps: int, run_dir: Path, lo
         while run_dir.with_name(f"{run_dir.name}.incomplete-{k}").exists():
             k += 1
         run_dir.rename(run_dir.with_name(f"{run_dir.name}.incomplete-{k}"))
-    train(cfg, run_dir, resume=resume, log_fn=log)
+    from ...diagnostics import DiagnosticsHook
+    train(cfg, run_dir, resume=resume, log_fn=log, hooks=[DiagnosticsHook()])
 
 
 def run_repro(preset: ReproPreset, out: str | Path, *, claims=None, remedies: bool = False, steps: int | None = None,
