@@ -16,9 +16,9 @@ Presets (``get_policy(name)``):
 * ``fa2``    production kernels: fp32 scores, statistics and accumulators, Pbar rounded to
              bf16 only as the PV matmul operand, O rounded to bf16 once.
 * ``fa2-fp16``, ``fa2-e4m3``, ``fa2-e5m2``: the same structure with that input / Pbar format.
-* ``paper-fp32fwd``  the reference arithmetic with its forward accumulators raised to fp32:
-             the PV product, the running O and the statistics m, l (everything else, the
-             backward included, stays bf16). The cheapest change the lab measured to bring the
+* ``paper-fp32fwd``  the reference arithmetic with its forward raised to fp32 except the Pbar
+             operand: scores, the PV product, the running O and the statistics m, l, lse
+             (inputs, Pbar, the output and the whole backward stay bf16). The cheapest change the lab measured to bring the
              reference arithmetic's tie bias to the noise floor; no shift of m does it
              (docs/lab/lab.md: with a bf16 PV sum and row sum, every stabilizer leaves a lean).
 
@@ -161,8 +161,10 @@ POLICIES: dict[str, PrecisionPolicy] = {
     "fa2-e4m3": _fa2("fa2-e4m3", "e4m3"),
     "fa2-e5m2": _fa2("fa2-e5m2", "e5m2"),
 }
+# lse is a statistic too: in bf16 a fully masked row's lse (log of the 1e-10 floor + m = -fp32 max)
+# overflows to -inf and the backward's exp(S - lse) becomes NaN (found by tests/attention/test_fuzz.py)
 POLICIES["paper-fp32fwd"] = POLICIES["paper"].replace(name="paper-fp32fwd", scores="fp32", pv="fp32", o_accum="fp32",
-                                                   stats="fp32")
+                                                   stats="fp32", lse="fp32")
 
 
 _BOOL_FIELDS = ("row_sum_rounded", "visit_masked_tiles")
