@@ -22,7 +22,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ...attention.trace import Arithmetic
 from .measure import Bench, Measurement
 
 __all__ = ["CapturedProblem", "from_run", "record_sdpa", "SdpaRecorder", "run_captured"]
@@ -143,29 +142,21 @@ def record_sdpa(limit: int | None = None):
 
 def run_captured(problems: list[CapturedProblem], policies, *, bench: Bench | None = None, progress=None) -> dict:
     """Each policy without a fix and with the lab's candidate fixes on each captured problem."""
-    from .experiments import fix_candidates, judge_fix
+    from .experiments import judge_candidates
 
     bench = bench or Bench()
     say = progress or (lambda msg: None)
     rows, answers = [], {}
+
+    def measure(p, a) -> Measurement:
+        m = bench.measure(p, a)
+        rows.append({"experiment": "captured", **m.to_dict()})
+        return m
+
     for pol in policies:
         say(f"  captured: {pol}")
-        plain = {}
-        for p in problems:
-            m = bench.measure(p, Arithmetic.of(pol))
-            plain[p.name] = m
-            rows.append({"experiment": "captured", **m.to_dict()})
-        leaning = [n for n, m in plain.items() if m.o_vs_floor.biased or m.delta_vs_floor.biased]
-        removed_by, failures = [], {}
-        for cand in fix_candidates(pol):
-            reasons = []
-            for p in problems:
-                f = bench.measure(p, cand)
-                rows.append({"experiment": "captured", **f.to_dict()})
-                ok, why = judge_fix(plain[p.name], f)
-                if not ok:
-                    reasons.append(f"{p.name}: {why}")
-            (failures.__setitem__(cand.label(), reasons) if reasons else removed_by.append(cand.label()))
+        plain, removed_by, failures = judge_candidates(pol, problems, measure)
+        leaning = [p.name for p, m in plain.items() if m.o_vs_floor.biased or m.delta_vs_floor.biased]
         answers[pol] = {"leaning": leaning, "removed_by": removed_by, "failures": failures,
                         "line": (f"leans beyond the floor on {len(leaning)} of {len(problems)} captured problems"
                                  + (f"; removed by: {', '.join(removed_by) or 'nothing the lab tried'}" if leaning

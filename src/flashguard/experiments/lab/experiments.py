@@ -30,7 +30,7 @@ from .measure import Bench, Measurement
 from .problems import Problem
 
 __all__ = ["run_lab", "STABILIZER_SET", "FORMAT_POLICIES", "fix_candidates", "MAE_FACTOR",
-           "DECOMPOSITION", "judge_fix", "verdict_over"]
+           "DECOMPOSITION", "judge_fix", "judge_candidates", "verdict_over"]
 
 STABILIZER_SET = ["none", "paper", "paper:beta=7", "safe"]
 FORMAT_POLICIES = ["paper", "fa2", "fa2-fp16", "fa2-e4m3", "fa2-e5m2"]
@@ -89,6 +89,25 @@ def judge_fix(plain: Measurement, fixed: Measurement) -> tuple[bool, str]:
     if fixed.o_mae > MAE_FACTOR * plain.o_mae:
         return False, f"less accurate: mean |O error| {fixed.o_mae / plain.o_mae:.2f}x that of no fix"
     return True, ""
+
+
+def judge_candidates(policy: str, problems, measure) -> tuple[dict, list[str], dict]:
+    """Every fix candidate of ``policy`` against no fix on ``problems`` (``judge_fix`` on each):
+    (plain {problem: Measurement}, labels of the candidates that pass everywhere, {label: the
+    reasons it failed}). ``measure(problem, arithmetic)`` returns (and may record) a Measurement."""
+    plain = {p: measure(p, Arithmetic.of(policy)) for p in problems}
+    removed_by, failures = [], {}
+    for cand in fix_candidates(policy):
+        reasons = []
+        for p in problems:
+            ok, why = judge_fix(plain[p], measure(p, cand))
+            if not ok:
+                reasons.append(f"{p.label()}: {why}")
+        if reasons:
+            failures[cand.label()] = reasons
+        else:
+            removed_by.append(cand.label())
+    return plain, removed_by, failures
 
 
 def _conditions(quick: bool, seed: int, n: int) -> dict[str, list[Problem]]:
@@ -174,19 +193,8 @@ def run_lab(quick: bool = False, policy: str = "paper", seed: int = 0, progress=
     all_conds = tied + conds["others"] + conds["no_ties"]
     for pol in FORMAT_POLICIES:
         say(f"  {pol}")
-        plain = {c: cell(c, Arithmetic.of(pol), "fixes") for c in all_conds}
+        plain, removed_by, failures = judge_candidates(pol, all_conds, lambda c, a: cell(c, a, "fixes"))
         biased = [c.label() for c in tied + conds["others"] if _leans(plain[c])]
-        removed_by, failures = [], {}
-        for cand in fix_candidates(pol):
-            reasons = []
-            for c in all_conds:
-                ok, why = judge_fix(plain[c], cell(c, cand, "fixes"))
-                if not ok:
-                    reasons.append(f"{c.label()}: {why}")
-            if reasons:
-                failures[cand.label()] = reasons
-            else:
-                removed_by.append(cand.label())
         if biased:
             line = (f"biased under ties: yes ({len(biased)} of {len(tied) + len(conds['others'])} conditions); "
                     f"removed by: {', '.join(removed_by) if removed_by else 'nothing the lab tried'}")

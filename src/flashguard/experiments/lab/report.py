@@ -76,7 +76,7 @@ def render_markdown(result: dict) -> str:
                                    and r["policy"].split("[")[0] in (pol, "paper-fp32fwd" if pol == "paper" else pol)))
         md += ["", f"## `{pol}`: O beyond the floor, with each fix", ""]
         md.append(_grid(rows, "fixes", arith, "o_vs_floor"))
-        md += ["", f"delta = rowsum(dO * O) beyond the floor (1e-6, z):", ""]
+        md += ["", "delta = rowsum(dO * O) beyond the floor (1e-6, z):", ""]
         md.append(_grid(rows, "fixes", arith, "delta_vs_floor", floor_row=False))
         fails = result["answers"][pol]["failures"]
         if fails:
