@@ -46,6 +46,14 @@ INJECTION_PRESETS: dict[str, InjectionPreset] = {p.name: p for p in (
                     about="the decisive points of the tiny-cpu grid: the arithmetic itself, a fully coherent "
                           "error 10x the real one, zero-mean errors 10x and 100x, the real values shuffled "
                           "across rows at 10x; 400 steps"),
+    InjectionPreset("micro-grid", "micro", alphas=(1, 3, 10, 30, 100), ps=(0.5, 0.6, 0.75, 1.0), steps=1500,
+                    diagnostics_every=25,
+                    overrides=("optim.lr=3e-3", "optim.schedule=constant", "optim.warmup_steps=20",
+                               "train.checkpoint_every=250", "train.keep_last=1"),
+                    about="the whole grid on the micro model (2 layers x 64 wide, T = 64, byte-level, paper "
+                          "arithmetic, lr 3e-3 constant): alpha in {1, 3, 10, 30, 100} x p in {0.5, 0.6, 0.75, 1} "
+                          "plus shuffled and real, 1,500 steps (about a minute a run on one core): the scale at "
+                          "which a coherent error runs to the divergence rule within minutes"),
     InjectionPreset("micro", "micro", alphas=(1, 10), ps=(0.5, 1.0), steps=30, diagnostics_every=10,
                     about="smoke test: the micro model, alpha in {1, 10} x p in {0.5, 1} plus shuffled and real, "
                           "30 steps (seconds)"),
