@@ -8,6 +8,11 @@
    are expected to read "not held" / "inconclusive" here, and the report says why);
 4. writes the report (report.md, self-contained report.html) and prints where it is.
 
+The console starts with what will run and why no explosion is expected, and ends with the
+same plain-language summary report.md and report.html begin with (report/summary_text.py):
+what ran, what held, and what to use in one's own bf16 training per arithmetic, read from
+the lab's measured answers, with copy-paste recipes.
+
 Every stage is resumable: rerunning the command skips what is finished. A run keeps one
 checkpoint while it trains (to resume from) and none once it is finished, since the report
 reads the runs' metrics only (``keep_checkpoints=True``: the last one of each run stays, for
@@ -15,6 +20,7 @@ reads the runs' metrics only (``keep_checkpoints=True``: the last one of each ru
 """
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -32,10 +38,13 @@ def run_demo(out: str | Path = "demo", *, data_dir: str | Path = "data/embedded"
     from .lab import run_lab
     from .lab.report import write_lab
     from .report import write_report
+    from .report.summary_text import intro_text, render_text, summary_from_repro
     from .repro import get_preset, run_repro
 
     t0 = time.perf_counter()
     out, data_dir = Path(out), Path(data_dir)
+    preset = get_preset("demo")
+    log(intro_text(steps or preset.steps).rstrip())
     if not (data_dir / "meta.json").is_file():
         log(f"[1/4] preparing the embedded corpus in {data_dir}")
         prepare_embedded(data_dir, progress=progress)
@@ -43,12 +52,13 @@ def run_demo(out: str | Path = "demo", *, data_dir: str | Path = "data/embedded"
         log(f"[1/4] corpus: {data_dir}")
     if (out / "lab" / "lab.json").is_file():
         log("[2/4] lab: already done")
+        lab = json.loads((out / "lab" / "lab.json").read_text())
     else:
         log("[2/4] rounding-bias lab (quick)")
         lab = run_lab(quick=True, policy="paper", seed=0, progress=lambda m: log(f"  {m}"))
         write_lab(lab, out / "lab")
     log("[3/4] matched training runs")
-    result = run_repro(get_preset("demo"), out, claims=DEMO_CLAIMS, steps=steps,
+    result = run_repro(preset, out, claims=DEMO_CLAIMS, steps=steps,
                        overrides=[f'data.dir="{data_dir}"'], progress=progress, log=lambda m: log(f"  {m}"))
     log("[4/4] report")
     paths = write_report([out], out / "report")
@@ -59,6 +69,9 @@ def run_demo(out: str | Path = "demo", *, data_dir: str | Path = "data/embedded"
                 "--keep-checkpoints keeps the last one per run)")
     for c in result["claims"]:
         log(f"  {c['id']}  {c['verdict']:<12}  {c['evidence']}")
+    log("")
+    log(render_text(summary_from_repro(result, lab, out)).rstrip())
+    log("")
     log(f"demo done in {time.perf_counter() - t0:.0f} s; report: {paths['html'].resolve()}")
     return {"repro": result, "report": paths}
 

@@ -28,7 +28,8 @@ class Table:
     verdict_col: int | None = None  # this column's cells are verdicts (coloured in HTML)
 
 
-# blocks: ("h1" | "h2" | "p", text), ("list", [text]), ("table", Table), ("figure", Figure, src relative to out)
+# blocks: ("h1" | "h2" | "p", text), ("list", [text]), ("code", text), ("table", Table),
+# ("figure", Figure, src relative to out)
 Block = tuple
 
 
@@ -69,7 +70,9 @@ RUN_COLUMNS = [("name", None), ("group", None), ("title", None), ("steps", "step
 def build_document(study: Study, figures: list[Figure], skipped: list[str], lab_figures: list[Figure],
                    out: Path) -> list[Block]:
     title = "flashguard report" + (f": {study.meta['preset']}" if study.meta.get("preset") else "")
-    doc: list[Block] = [("h1", title), ("p", _produced_by(study))]
+    # a reader sees first, in plain words, what ran, what held and what to use (summary_text)
+    from .summary_text import summary_from_study
+    doc: list[Block] = [("h1", title), *summary_from_study(study), ("h2", "Inputs"), ("p", _produced_by(study))]
     if study.kind != "lab":
         doc.append(("h2", "Claims"))
         if study.claims:
@@ -129,6 +132,8 @@ def render_markdown(doc: list[Block]) -> str:
             out += [rest[0], ""]
         elif kind == "list":
             out += [f"- {item}" for item in rest[0]] + [""]
+        elif kind == "code":
+            out += ["```python", rest[0], "```", ""]
         elif kind == "table":
             t = rest[0]
             out.append("| " + " | ".join(t.header) + " |")
@@ -158,6 +163,8 @@ figure { margin: 1.5em 0; }
 figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { font-size: 0.92em; color: #444; }
 code { background: #f4f4f4; padding: 0 .2em; }
+pre { background: #f4f4f4; padding: .6em .8em; overflow-x: auto; }
+pre code { padding: 0; }
 """
 
 
@@ -180,6 +187,8 @@ def render_html(doc: list[Block]) -> str:
             out.append(f"<{kind}>{_inline(rest[0])}</{kind}>")
         elif kind == "list":
             out.append("<ul>" + "".join(f"<li>{_inline(i)}</li>" for i in rest[0]) + "</ul>")
+        elif kind == "code":
+            out.append(f"<pre><code>{html.escape(rest[0])}</code></pre>")
         elif kind == "table":
             t = rest[0]
             out.append("<table><thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in t.header)
