@@ -8,8 +8,11 @@ mode, so without dropout) and the probes. The probe state saved by the trainer b
 is continued when present (growth rates, delta running sum, cosine with the last probe), so
 a checkpoint at a probe step reproduces the trainer's own probe record of that step.
 
-Prints a table per layer and writes everything (metrics, per-feature O bias, singular-value
-spectrum, what ran) as JSON to --out (default RUN_DIR/diagnostics/diagnose_<S>.json).
+Prints a table per layer, with an ok / watch / warning flag per layer from the early-warning
+monitor's own rules (``layer_flags``: ``monitor.Monitor`` fed that layer's probe records from
+RUN_DIR/metrics.jsonl up to step S, then this probe) and a legend of the columns, and writes
+everything (metrics, flags, per-feature O bias, singular-value spectrum, what ran) as JSON to
+--out (default RUN_DIR/diagnostics/diagnose_<S>.json).
 ``--monitor`` instead replays RUN_DIR/metrics.jsonl through the early-warning monitor;
 ``--plots`` instead draws that log's probe series (``flashguard.diagnostics.plots``) as PNGs
 into RUN_DIR/diagnostics/plots/ (both flags: both).
@@ -31,7 +34,8 @@ from pathlib import Path
 
 from .. import keys
 
-__all__ = ["add_diagnose_arguments", "run_diagnose", "diagnose", "write_plots", "format_table", "main"]
+__all__ = ["add_diagnose_arguments", "run_diagnose", "diagnose", "write_plots", "format_table", "layer_flags",
+           "legend", "LEGEND", "main"]
 
 
 def add_diagnose_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +95,32 @@ _COLUMNS = [  # (header, metric), one row per layer
     ("align", keys.WQ_ERR_ALIGN_TOP),
 ]
 
+# one line per column of the per-layer table: what a new user needs to read it
+LEGEND = {
+    "layer": "layer index, counting from 0 (the study's \"layer 2\" is L1)",
+    "attention": "the attention the layer trained with: backend[precision,stabilizer]",
+    "flag": "the early-warning monitor's state for this layer: ok, watch or warning (reasons below the table)",
+    "W_Q max": "largest spectral norm of a head's query projection W_Q (the study's runaway grows it)",
+    "growth": "fastest W_Q norm growth of a head since the previous probe, log-growth per 100 steps",
+    "max|S|": "largest |attention logit| S = q k^T * scale (bf16 resolves 64 only to 0.25-0.5)",
+    "sink": "mean attention probability on the first key",
+    "ties": "share of (row, key tile) pairs whose maximum score repeats: the trigger of the bias",
+    "Pbar=1": "share of softmax numerators Pbar exactly 1",
+    "2xPbar=1": "share of (row, key tile) pairs with two or more Pbar exactly 1",
+    "O bias": "mean error of the output O against fp64, signed (O z says whether it is beyond chance)",
+    "O z": "z of O's mean error over (sequence, head) units; |z| >= 3.29 is a lean at p < 0.001",
+    "O bias.sgnV": "mean over features of O's bias x sign(mean V): > 0 when O is pushed the way V points",
+    "d.err rel": "mean error of delta = rowsum(dO * O) against fp64, over mean |delta|",
+    "d.err>0": "share of rows whose delta error is positive (0.5: no sign preferred)",
+    "d.err z": "z of delta's mean error over (sequence, head) units",
+    "d.cumsum": "running sum of the mean delta error over the probes (grows when the bias is coherent)",
+    "E sv1": "top singular value of E, the W_Q gradient error the attention backward causes",
+    "E rank1": "share of E in its top singular value (1: rank one, as the study finds)",
+    "E rel": "|E| over |dW_Q| with fp64 attention",
+    "cos prev": "cosine of E with the previous probe's E (near 1: the errors add up)",
+    "align": "|u1^T E v1| / |E|, (u1, v1) W_Q's top singular pair: E aimed at W_Q's top direction",
+}
+
 _HEAD_COLUMNS = [  # (header, metric), one row per head
     ("|W_Q|", keys.WQ_NORM),
     ("W_Q growth", keys.WQ_GROWTH),
@@ -110,12 +140,15 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
-def format_table(metrics: dict, layers: list[int], *, n_head: int | None = None, attention: dict | None = None) -> str:
-    """A readable per-layer (and, with ``n_head``, per-head) table of probe metrics."""
-    header = ["layer", "attention"] + [c for c, _ in _COLUMNS]
+def format_table(metrics: dict, layers: list[int], *, n_head: int | None = None, attention: dict | None = None,
+                 flags: dict | None = None) -> str:
+    """A readable per-layer (and, with ``n_head``, per-head) table of probe metrics; ``flags``
+    ({layer: "ok" | "watch" | "warning"}, from ``layer_flags``) adds the flag column."""
+    header = ["layer", "attention"] + (["flag"] if flags is not None else []) + [c for c, _ in _COLUMNS]
     rows = []
     for layer in layers:
-        rows.append([f"L{layer}", (attention or {}).get(layer, "")]
+        flag = [flags.get(layer, "-")] if flags is not None else []
+        rows.append([f"L{layer}", (attention or {}).get(layer, "")] + flag
                     + [_fmt(metrics.get(m.key(layer))) for _, m in _COLUMNS])
     out = _table(header, rows)
     if n_head:
@@ -123,6 +156,40 @@ def format_table(metrics: dict, layers: list[int], *, n_head: int | None = None,
         rows = [[f"L{layer}H{h}"] + [_fmt(metrics.get(m.key(layer, h))) for _, m in _HEAD_COLUMNS]
                 for layer in layers for h in range(n_head)]
         out += "\n\n" + _table(header, rows)
+    return out
+
+
+def legend(flags: bool = True) -> str:
+    """The table's columns, one line each."""
+    names = ["layer", "attention"] + (["flag"] if flags else []) + [c for c, _ in _COLUMNS]
+    width = max(len(n) for n in names)
+    return "\n".join(["columns:"] + [f"  {n:<{width}}  {LEGEND[n]}" for n in names])
+
+
+def _layer_record(record: dict, layer: int) -> dict:
+    """The record with only ``layer``'s probe keys (and the step)."""
+    out = {keys.STEP: record.get(keys.STEP)}
+    for k, v in record.items():
+        parsed = keys.parse(k)
+        if parsed is not None and parsed[1] == layer:
+            out[k] = v
+    return out
+
+
+def layer_flags(history: list[dict], metrics: dict, step: int, layers: list[int], thresholds=None) -> dict:
+    """``{layer: MonitorStatus}``: per layer, a fresh ``monitor.Monitor`` (``thresholds``, default
+    the monitor's own) fed that layer's probe keys of the ``history`` records before ``step``,
+    in order, then ``metrics`` as the record of ``step``. The monitor's rules and thresholds
+    decide; nothing is judged here. Only probe keys are fed: the gradient-norm spike belongs to
+    the whole model, not to a layer."""
+    from .monitor import Monitor
+    out = {}
+    for layer in layers:
+        mon = Monitor(thresholds)
+        for rec in history:
+            if isinstance(rec.get(keys.STEP), int) and rec[keys.STEP] < step:
+                mon.update(_layer_record(rec, layer))
+        out[layer] = mon.update(_layer_record({**metrics, keys.STEP: step}, layer))
     return out
 
 
@@ -167,11 +234,19 @@ def diagnose(run_dir, *, step: int | None = None, layers=None, data_dir=None, se
     attention = {i: model.transformer.h[i].attn.spec.short_str() for i in layers}
     if precision is not None or stabilizer is not None:
         attention = {i: f"{a} (shadow: {precision or 'own'}, {stabilizer or 'own'})" for i, a in attention.items()}
+    # the monitor judges a layer by its history: the run's own probe records up to this step
+    from ..utils.jsonl import read_metrics
+    from .monitor import MonitorThresholds
+    history = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    flags = layer_flags(history, metrics, ckpt_step, layers, MonitorThresholds.for_warmup(cfg.optim.warmup_steps))
+    probes = {i: sum(1 for r in history if isinstance(r.get(keys.STEP), int) and r[keys.STEP] < ckpt_step
+                     and len(_layer_record(r, i)) > 1) + 1 for i in layers}
     return {
         "run_dir": str(run_dir), "checkpoint": str(ckpt_path), "step": ckpt_step, "batch_step": batch_step,
         "sequences": len(indices), "layers": layers, "attention": attention, "loss": loss,
         "autocast": cfg.train.autocast, "state_continued": continued, "n_head": model.config.n_head,
         "versions": {"torch": torch.__version__}, "metrics": metrics, "details": details,
+        "flags": {i: {"state": f.name, "reasons": f.reasons, "probes": probes[i]} for i, f in flags.items()},
     }
 
 
@@ -226,8 +301,14 @@ def run_diagnose(args: argparse.Namespace) -> int:
     print(f"{run_dir}: checkpoint at step {res['step']}, batch of step {res['batch_step']} "
           f"({res['sequences']} sequences, {res['autocast']} autocast), loss {res['loss']:.4f}"
           + ("" if res["state_continued"] else "; no earlier probe state (no growth rates or running sums)"))
+    flags = res["flags"]
     print(format_table(res["metrics"], res["layers"], n_head=res["n_head"] if args.heads else None,
-                       attention=res["attention"]))
+                       attention=res["attention"], flags={i: f["state"] for i, f in flags.items()}))
+    for layer, f in flags.items():
+        n = f["probes"]
+        why = "; ".join(f["reasons"]) if f["reasons"] else "every signal below its watch level"
+        print(f"L{layer} {f['state']}: {why} (monitor rules over {n} probe{'s' if n != 1 else ''} of this layer)")
+    print(legend())
     out = Path(args.out) if args.out else run_dir / "diagnostics" / f"diagnose_{res['step']:07d}.json"
     from ..utils.atomic import atomic_write_text
     atomic_write_text(out, json.dumps(_clean(res), indent=1) + "\n")

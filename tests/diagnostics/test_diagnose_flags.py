@@ -1,0 +1,100 @@
+"""`flashguard diagnose`: the per-layer ok / watch / warning flag (the monitor's own rules) and the legend."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+
+from run_helpers import MICRO, micro_overrides
+from flashguard import keys
+from flashguard.diagnostics.command import (LEGEND, _COLUMNS, add_diagnose_arguments, format_table, layer_flags,
+                                            legend, run_diagnose)
+from flashguard.diagnostics.monitor import MonitorThresholds
+
+
+def _history(rates: dict[int, float], last: int, every: int = 10) -> list[dict]:
+    """Probe records every ``every`` steps: layer l's W_Q head norms grow as exp(rates[l] * step);
+    the trainer's keys every step (a flat gradient norm)."""
+    recs = []
+    for step in range(last + 1):
+        r = {keys.STEP: step, keys.LOSS_TRAIN: 2.0, keys.GRAD_NORM: 1.0}
+        if step % every == 0:
+            for layer, rate in rates.items():
+                for h in range(2):
+                    r[keys.WQ_NORM.key(layer, h)] = (1.0 + 0.1 * h) * math.exp(rate * step)
+                r[keys.MAX_LOGIT.key(layer)] = 5.0
+        recs.append(r)
+    return recs
+
+
+def _split(recs: list[dict]):
+    """(history before the last step, the last step's probe metrics, that step) as diagnose has them."""
+    *hist, last = recs
+    return hist, {k: v for k, v in last.items() if keys.is_probe_key(k)}, last[keys.STEP]
+
+
+def test_planted_wq_growth_is_a_warning_and_a_flat_layer_is_ok():
+    hist, metrics, step = _split(_history({0: 0.0, 1: 0.012}, 200))   # L1: 1.2 per 100 steps
+    flags = layer_flags(hist, metrics, step, [0, 1])
+    assert flags[0].name == "ok" and flags[0].reasons == []
+    assert flags[1].name == "warning"
+    assert any(r.startswith("W_Q norm growth 1.2/100 steps at L1H") for r in flags[1].reasons), flags[1].reasons
+
+
+def test_moderate_growth_is_a_watch_and_the_thresholds_are_the_monitors():
+    hist, metrics, step = _split(_history({0: 0.0, 1: 0.005}, 100))   # 0.5 per 100 steps, x1.65 in all
+    flags = layer_flags(hist, metrics, step, [0, 1])
+    assert (flags[0].name, flags[1].name) == ("ok", "watch")
+    # the same records under other thresholds: the monitor decides, nothing is re-implemented here
+    assert layer_flags(hist, metrics, step, [1], MonitorThresholds(wq_growth_watch=0.6))[1].name == "ok"
+    assert layer_flags(hist, metrics, step, [1], MonitorThresholds(ignore_before=1000))[1].name == "ok"
+
+
+def test_one_layers_signal_does_not_flag_another():
+    hist, metrics, step = _split(_history({0: 0.0, 1: 0.0}, 100))
+    metrics[keys.MAX_LOGIT.key(1)] = 500.0                 # a logit warning in L1 at the last probe ...
+    hist[-10][keys.MAX_LOGIT.key(1)] = 500.0               # ... and the probe before (the monitor's persist = 2)
+    flags = layer_flags(hist, metrics, step, [0, 1])
+    assert flags[0].name == "ok" and flags[1].name == "warning" and "max |logit| 500 in L1" in flags[1].reasons
+
+
+def test_table_has_the_flag_column_and_every_column_a_legend_line():
+    metrics = {keys.WQ_NORM_MAX.key(0): 1.5, keys.TIE_RATE.key(1): 0.25}
+    text = format_table(metrics, [0, 1], attention={0: "flash[paper,none]", 1: "flash[paper,none]"},
+                        flags={0: "ok", 1: "warning"})
+    header, _, row0, row1 = text.split("\n")
+    assert header.split()[:3] == ["layer", "attention", "flag"]
+    assert row0.split()[:4] == ["L0", "flash[paper,none]", "ok", "1.5"] and row1.split()[2] == "warning"
+    assert "flag" not in format_table(metrics, [0])         # without flags, no column
+    lines = legend().split("\n")
+    assert lines[0] == "columns:" and len(lines) == 1 + 3 + len(_COLUMNS)   # one line each
+    for name in ["layer", "attention", "flag"] + [c for c, _ in _COLUMNS]:
+        assert sum(1 for ln in lines if ln.split()[:1] == name.split()[:1]) >= 1, name
+        assert LEGEND[name]
+
+
+@pytest.fixture(scope="module")
+def probed(tiny_data, tmp_path_factory):
+    from flashguard.diagnostics import DiagnosticsHook
+    from flashguard.train import load_config, train
+    run = tmp_path_factory.mktemp("flags") / "run"
+    train(load_config(MICRO, micro_overrides(tiny_data, **{"train.diagnostics_every": 3})), run,
+          hooks=[DiagnosticsHook()])
+    return run
+
+
+def test_diagnose_prints_flags_reasons_and_legend(probed, capsys):
+    p = argparse.ArgumentParser()
+    add_diagnose_arguments(p)
+    assert run_diagnose(p.parse_args([str(probed), "--step", "3", "--no-grad-error"])) == 0
+    out = capsys.readouterr().out
+    table = out.split("\n")[1:5]
+    assert table[0].split()[:3] == ["layer", "attention", "flag"]
+    assert all(line.split()[2] in ("ok", "watch", "warning") for line in table[2:4])
+    # a 6-step run: nothing judged before 2 x warm-up, so every layer is ok, over 2 probes (steps 0 and 3)
+    assert "L0 ok: every signal below its watch level (monitor rules over 2 probes of this layer)" in out
+    assert "columns:\n" in out and "  flag " in out and "  W_Q max " in out
+    res = json.loads((probed / "diagnostics" / "diagnose_0000003.json").read_text())
+    assert res["flags"]["1"] == {"state": "ok", "reasons": [], "probes": 2}
