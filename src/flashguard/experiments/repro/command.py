@@ -15,9 +15,12 @@ def add_repro_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny-cpu",
                    help=f"training set-up (default: tiny-cpu); claims: {', '.join(PRESETS)}; "
                         f"injection: {', '.join(INJECTION_PRESETS)}")
-    p.add_argument("--experiment", default="claims", choices=("claims", "injection"),
+    p.add_argument("--experiment", default="claims", choices=("claims", "injection", "early-warning"),
                    help="claims: the study's claims as matched runs (default); injection: the delta error-injection "
-                        "grid (alpha x sign rule) with its phase diagram")
+                        "grid (alpha x sign rule) with its phase diagram; early-warning: the early-warning detectors "
+                        "measured on finished runs (--runs), nothing trained")
+    p.add_argument("--runs", nargs="+", metavar="DIR",
+                   help="early-warning: folders of finished runs (searched recursively; unfinished runs skipped)")
     p.add_argument("--seeds", help="injection: comma-separated training seeds, every arm per seed (default: the "
                                    "config's train.seed)")
     p.add_argument("--claims", default=None,
@@ -34,6 +37,10 @@ def run_repro_command(args) -> int:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.experiment == "injection":
         return _run_injection_command(args)
+    if args.experiment == "early-warning":
+        return _run_early_warning_command(args)
+    if args.runs is not None:
+        raise ValueError("--runs applies to --experiment early-warning only")
     if args.seeds is not None:
         raise ValueError("--seeds applies to --experiment injection only")
     claims = [c.strip().upper() for c in (args.claims or ",".join(CLAIMS)).split(",") if c.strip()]
@@ -65,4 +72,29 @@ def _run_injection_command(args) -> int:
     for c in result["claims"]:
         print(f"{c['id']}  {c['verdict']:<12}  {c['evidence']}")
     print(f"table and runs: {args.out}/injection.md; figures: {', '.join(result['figures'])}")
+    return 0
+
+
+def _run_early_warning_command(args) -> int:
+    from ..early_warning import run_early_warning
+    if args.runs is None:
+        raise ValueError("--experiment early-warning needs --runs DIR [DIR ...] (folders of finished runs)")
+    wrong = [n for n, v in (("--seeds", args.seeds), ("--claims", args.claims), ("--steps", args.steps),
+                            ("--remedies", args.remedies or None), ("key=value overrides", args.overrides or None))
+             if v is not None]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)}: not for --experiment early-warning (it trains nothing)")
+    result = run_early_warning(args.runs, args.out)
+    c = result["counts"]
+    print(f"{c['runs']} runs: {c['divergent']} divergent, {c['stable']} stable ({len(result['skipped'])} skipped)")
+
+    def num(x):
+        return "-" if x is None else f"{x:g}"
+
+    for d in result["detectors"]:
+        m, t = result["default"][d["name"]], result["calibrated"][d["name"]]["threshold"]
+        print(f"{d['name']:<16} default {d['default']:g}: hits {m['hits']}/{m['divergent']}, median lead "
+              f"{num(m['lead']['median'])}, false alarms {m['false_alarms']}/{m['stable']}; "
+              f"calibrated threshold {num(t)}")
+    print(f"tables: {args.out}/early_warning.md; figures: {', '.join(result['figures'])}")
     return 0

@@ -1,0 +1,120 @@
+"""The early-warning evaluation as Markdown (OUT/early_warning.md), from the result dict."""
+from __future__ import annotations
+
+__all__ = ["early_warning_markdown"]
+
+
+def _f(x, fmt="{:g}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _lead(m) -> str:
+    q = m["lead"]
+    if q["median"] is None:
+        return "-"
+    return f"{q['median']:g} [{q['q1']:g}, {q['q3']:g}]"
+
+
+def _fa(m) -> str:
+    if m["stable"] == 0:
+        return "- (no stable runs)"
+    return f"{m['false_alarms']}/{m['stable']} ({m['false_alarm_rate']:.0%})"
+
+
+def _hits(m) -> str:
+    return f"{m['hits']}/{m['divergent']} ({m['hits_ahead']} ahead)"
+
+
+def early_warning_markdown(res: dict) -> str:
+    c = res["counts"]
+    seeds = ", ".join(f"seed {s}: {v['divergent']} divergent / {v['stable']} stable" for s, v in c["by_seed"].items())
+    L = ["# flashguard early-warning evaluation", "",
+         f"Runs from {', '.join(res['run_folders'])}: **{c['runs']} finished runs, {c['divergent']} divergent, "
+         f"{c['stable']} stable** ({seeds}); {len(res['skipped'])} folders skipped (unfinished or unreadable, listed "
+         f"below). The unit is a run. Divergent or stable by the package's one rule only: {res['divergence_rule']}.",
+         "",
+         "A hit: the first alarm at or before the divergence step d, lead time = d - alarm step (\"ahead\": lead > 0; "
+         "lead 0 is an alarm at the divergence step itself). A miss: no alarm up to d. A false alarm: any alarm "
+         "in a stable run. Lead times: median [quartiles] over the hits.", "",
+         "## Detectors", ""]
+    L += [f"* **{d['name']}** (default {d['default']:g}): {d['about']}." for d in res["detectors"]]
+    L += ["", "## At the default thresholds, all runs", "",
+          "| detector | threshold | hits / divergent | misses | lead time | false alarms / stable |",
+          "|---|---|---|---|---|---|"]
+    for d in res["detectors"]:
+        m = res["default"][d["name"]]
+        L.append(f"| {d['name']} | {d['default']:g} | {_hits(m)} | {m['misses']} | {_lead(m)} | {_fa(m)} |")
+    sp = res["split"]
+    L += ["", "## Calibrated on one half of the seeds, measured on the other", "",
+          f"Split: {sp['rule']}; calibration seeds {sp['calibration_seeds'] or '-'}, held-out seeds "
+          f"{sp['held_out_seeds'] or '-'}. Rule, fixed before looking: the smallest threshold of the grid whose "
+          f"false-alarm rate on the calibration half's stable runs is <= {res['false_alarm_target']:.0%}; "
+          "the divergent runs take no part in the choice.", "",
+          "| detector | fold | calibrated threshold (default) | held out: hits / divergent | misses | lead time | "
+          "false alarms / stable |", "|---|---|---|---|---|---|---|"]
+    for d in res["detectors"]:
+        for fold, key in (("odd -> even", "calibrated"), ("even -> odd", "calibrated_reverse")):
+            e = res[key][d["name"]]
+            cal = e["calibration"]
+            if e["threshold"] is None:
+                why = ("no stable runs to calibrate on" if cal["stable"] == 0 else
+                       f"no threshold of the grid meets the target on {cal['stable']} stable runs; alarmed even at "
+                       f"the largest: {', '.join(cal['alarmed_at_max'])}")
+                L.append(f"| {d['name']} | {fold} | none ({why}) | - | - | - | - |")
+                continue
+            m = e["held_out"]
+            if m is None:
+                L.append(f"| {d['name']} | {fold} | {e['threshold']:g} ({d['default']:g}) | no held-out runs "
+                         "| - | - | - |")
+                continue
+            L.append(f"| {d['name']} | {fold} | {e['threshold']:g} ({d['default']:g}) | {_hits(m)} | {m['misses']} | "
+                     f"{_lead(m)} | {_fa(m)} |")
+    if res["monitor_calibration"]:
+        L += ["", "## The monitor's thresholds as calibration would set them", "",
+              "The monitor's defaults are unchanged here; these are the values its calibrated scale k stands for "
+              "(growth and logit thresholds x k, ratio thresholds ^ k).", ""]
+        for name, e in res["monitor_calibration"].items():
+            fields = list(e["defaults"])
+            L += [f"**{name}**", "", "| threshold | default | " + " | ".join(
+                f"{fold} (k = {_f(e[fold]['scale'])})" for fold in ("odd->even", "even->odd")) + " |",
+                "|---|---|---|---|"]
+            for f in fields:
+                cells = [_f(None if e[fold]["thresholds"] is None else e[fold]["thresholds"][f], "{:.3g}")
+                         for fold in ("odd->even", "even->odd")]
+                L.append(f"| {f} | {e['defaults'][f]:.3g} | " + " | ".join(cells) + " |")
+            L.append("")
+    sig = res["signals"]
+    L += ["", "## Which signal leads", "",
+          f"On each of the {sig['divergent']} divergent runs: the probe step at which each signal first leaves the "
+          "stable runs' range (above the maximum over the stable runs of the same seed at that step, at two "
+          "probe steps in a row), as lead = divergence step - that step. \"led\": runs in which the signal left "
+          "first (ties count for each).", "",
+          "| signal | left the range in (runs) | led in (runs) | median lead |", "|---|---|---|---|"]
+    for name, s in sorted(sig["signals"].items(), key=lambda kv: (-kv[1]["led"], -kv[1]["left"], kv[0])):
+        L.append(f"| {name} | {s['left']}/{sig['divergent']} | {s['led']} | {_f(s['median_lead'])} |")
+    if sig["runs"]:
+        names = sorted(sig["signals"])
+        L += ["", "| run | diverged at | " + " | ".join(names) + " | leader (ahead of the next by) |",
+              "|---|---|" + "---|" * len(names) + "---|"]
+        for row in sig["runs"]:
+            lead = ", ".join(row["leader"]) or "-"
+            if row["margin"] is not None:
+                lead += f" ({row['margin']} steps, then {row['next']})"
+            L.append(f"| {row['run']} | {row['divergence_step']} | "
+                     + " | ".join(_f(row["leads"].get(n)) for n in names) + f" | {lead} |")
+    L += ["", "## Runs (first alarm step at the default thresholds)", "",
+          "| run | seed | divergence | " + " | ".join(d["name"] for d in res["detectors"]) + " |",
+          "|---|---|---|" + "---|" * len(res["detectors"]) + ""]
+    for r in res["runs"]:
+        cells = []
+        for d in res["detectors"]:
+            o = res["default"][d["name"]]["runs"][r["id"]]
+            cells.append({"hit": f"{o['alarm_step']} (lead {o['lead']})", "miss": "miss",
+                          "false_alarm": f"{o['alarm_step']} (false alarm)", "quiet": "-"}[o["kind"]])
+        div = f"step {r['divergence_step']}" if r["diverged"] else "stable"
+        L.append(f"| {r['id']} | {r['seed']} | {div} | " + " | ".join(cells) + " |")
+    if res["skipped"]:
+        L += ["", "## Skipped", ""] + [f"* {s['path']}: {s['why']}" for s in res["skipped"]]
+    if res.get("figures"):
+        L += [""] + [f"![{f}]({f})" for f in res["figures"]]
+    return "\n".join(L) + "\n"
