@@ -201,9 +201,10 @@ def get_policy(policy: "PrecisionPolicy | str") -> PrecisionPolicy:
                 key, eq, value = item.partition("=")
                 key = key.strip()
                 if not eq or key not in fields:
-                    raise ValueError(f"precision {policy!r}: {item!r} is not field=value with a PrecisionPolicy "
+                    # worded for a config key's value as much as for a Python argument: no class names
+                    raise ValueError(f"precision {policy!r}: {item!r} is not field=value with a policy "
                                      f"field ({', '.join(sorted(fields))})")
                 changes[key] = _parse_field(key, value.strip())
             return POLICIES[base].replace(**changes)
     raise ValueError(f"unknown precision policy {policy!r}; presets: {', '.join(POLICIES)}"
-                     " (or 'preset[field=value,...]', or pass a PrecisionPolicy)")
+                     " (or a preset with changed fields, 'preset[field=value,...]', e.g. 'paper[pv=fp32]')")
