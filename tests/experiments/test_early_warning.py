@@ -1,7 +1,7 @@
 """The early-warning evaluation (flashguard.experiments.early_warning) on synthetic streams with
 known answers: spike z-scores, lead times and false alarms, the seed split, the calibration rule,
-causality, the monitor replay against the package's own offline evaluation, which signal leads,
-and the command on a fake runs folder laid out as the injection grid writes it."""
+causality, the monitor replay against the package's own offline evaluation, which signal leads
+(and its band), and the command on a fake runs folder laid out as the injection grid writes it."""
 from __future__ import annotations
 
 import json
@@ -315,7 +315,7 @@ def test_the_command_on_fake_run_folders(tmp_path, capsys):
     res = json.loads((out / "early_warning.json").read_text())
     assert res["counts"]["runs"] == 9 and res["counts"]["divergent"] == 3 and res["counts"]["stable"] == 6
     assert res["counts"]["by_seed"] == {s: {"divergent": 1, "stable": 2} for s in ("1", "2", "4")}
-    assert [s["why"] for s in res["skipped"]] == ["not finished (status partial)"]
+    assert sorted(s["why"].split(" (")[0] for s in res["skipped"]) == ["moved aside by the trainer", "not finished"]
     div = {r["id"]: r["divergence_step"] for r in res["runs"] if r["diverged"]}
     assert div == {"micro-grid/runs/s1/coherent-p1-a100": 261, "micro-grid/runs/s2/coherent-p1-a100": 262,
                    "more-seeds/runs/s4/coherent-p1-a100": 264}
@@ -332,9 +332,20 @@ def test_the_command_on_fake_run_folders(tmp_path, capsys):
     assert "9 finished runs, 3 divergent, 6 stable" in md and "Which signal leads" in md
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]   # atomic writes leave no temporaries
     printed = capsys.readouterr().out
-    assert "9 runs: 3 divergent, 6 stable (1 skipped)" in printed
+    assert "9 runs: 3 divergent, 6 stable (2 skipped)" in printed
     # the same run given twice counts once; a folder that does not exist is an error
     runs, skipped = load_runs([grid, grid / "runs" / "s1"])
     assert len(runs) == 6 and sum("same config.toml" in s["why"] for s in skipped) == 3
     assert main(["repro", "--experiment", "early-warning", "--runs", str(tmp_path / "nope"), "--out", str(out)]) == 2
     assert main(["repro", "--experiment", "early-warning", "--out", str(out)]) == 2
+
+
+def test_one_far_out_stable_run_hides_a_signal_under_the_max_band_but_not_the_p90_band():
+    calm = [_run(f"calm-{i}", _records(500, seed=10 + i)) for i in range(10)]
+    far = _run("far", _records(500, seed=30, runaway_from=100))      # logits run away, the loss holds: stable
+    boom = _run("boom", _records(500, seed=31, runaway_from=200, diverge_at=450))
+    assert far.divergence_step is None and boom.divergence_step == 450
+    runs = [*calm, far, boom]
+    assert leading_signals(runs)["runs"][0]["leads"]["max logit"] is None
+    p90 = leading_signals(runs, band=90)
+    assert p90["band"] == 90 and p90["runs"][0]["leads"]["max logit"] >= 200

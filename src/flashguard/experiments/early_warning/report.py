@@ -83,15 +83,19 @@ def early_warning_markdown(res: dict) -> str:
                          for fold in ("odd->even", "even->odd")]
                 L.append(f"| {f} | {e['defaults'][f]:.3g} | " + " | ".join(cells) + " |")
             L.append("")
-    sig = res["signals"]
+    sig, p90 = res["signals"], res.get("signals_p90")
     L += ["", "## Which signal leads", "",
           f"On each of the {sig['divergent']} divergent runs: the probe step at which each signal first leaves the "
           "stable runs' range (above the maximum over the stable runs of the same seed at that step, at two "
           "probe steps in a row), as lead = divergence step - that step. \"led\": runs in which the signal left "
-          "first (ties count for each).", "",
-          "| signal | left the range in (runs) | led in (runs) | median lead |", "|---|---|---|---|"]
+          "first (ties count for each). Beside it the same with the 90th percentile of those stable runs as the "
+          "range's top (one far-out stable run cannot hide a signal).", "",
+          "| signal | left the range in (runs) | led in (runs) | median lead | p90 band: left / led / median lead |",
+          "|---|---|---|---|---|"]
     for name, s in sorted(sig["signals"].items(), key=lambda kv: (-kv[1]["led"], -kv[1]["left"], kv[0])):
-        L.append(f"| {name} | {s['left']}/{sig['divergent']} | {s['led']} | {_f(s['median_lead'])} |")
+        q = (p90 or {}).get("signals", {}).get(name)
+        alt = "-" if q is None else f"{q['left']} / {q['led']} / {_f(q['median_lead'])}"
+        L.append(f"| {name} | {s['left']}/{sig['divergent']} | {s['led']} | {_f(s['median_lead'])} | {alt} |")
     if sig["runs"]:
         names = sorted(sig["signals"])
         L += ["", "| run | diverged at | " + " | ".join(names) + " | leader (ahead of the next by) |",
@@ -103,8 +107,8 @@ def early_warning_markdown(res: dict) -> str:
             L.append(f"| {row['run']} | {row['divergence_step']} | "
                      + " | ".join(_f(row["leads"].get(n)) for n in names) + f" | {lead} |")
     L += ["", "## Runs (first alarm step at the default thresholds)", "",
-          "| run | seed | divergence | " + " | ".join(d["name"] for d in res["detectors"]) + " |",
-          "|---|---|---|" + "---|" * len(res["detectors"]) + ""]
+          "| run | seed | divergence | final loss | peak max logit | " + " | ".join(d["name"] for d in res["detectors"])
+          + " |", "|---|---|---|---|---|" + "---|" * len(res["detectors"])]
     for r in res["runs"]:
         cells = []
         for d in res["detectors"]:
@@ -112,7 +116,8 @@ def early_warning_markdown(res: dict) -> str:
             cells.append({"hit": f"{o['alarm_step']} (lead {o['lead']})", "miss": "miss",
                           "false_alarm": f"{o['alarm_step']} (false alarm)", "quiet": "-"}[o["kind"]])
         div = f"step {r['divergence_step']}" if r["diverged"] else "stable"
-        L.append(f"| {r['id']} | {r['seed']} | {div} | " + " | ".join(cells) + " |")
+        L.append(f"| {r['id']} | {r['seed']} | {div} | {_f(r.get('final_loss'), '{:.3g}')} | "
+                 f"{_f(r.get('peak_max_logit'), '{:.3g}')} | " + " | ".join(cells) + " |")
     if res["skipped"]:
         L += ["", "## Skipped", ""] + [f"* {s['path']}: {s['why']}" for s in res["skipped"]]
     if res.get("figures"):

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+from ... import keys
+from ...keys import MAX_LOGIT
 from ...train.divergence import describe_rule
 from ...utils.atomic import atomic_write_json, atomic_write_text
 from .calibrate import FALSE_ALARM_TARGET, calibrate, split_by_seed
@@ -91,7 +93,7 @@ def evaluate_detectors(runs, detectors=None, *, target: float = FALSE_ALARM_TARG
         "divergence_rule": "; ".join(describe_rule(f) for f in factors) if factors else describe_rule(),
         "runs": [{"id": r.id, "seed": r.seed, "arm": r.arm, "injection": r.injection, "diverged": r.diverged,
                   "divergence_step": r.divergence_step, "divergence_reason": r.divergence_reason,
-                  "last_step": r.last_step, "warmup": r.warmup} for r in runs],
+                  "last_step": r.last_step, "warmup": r.warmup, **_peaks(r)} for r in runs],
         "detectors": [{"name": d.name, "about": d.about, "default": d.threshold, "grid": grid_of(d)}
                       for d in detectors],
         "default": default,
@@ -102,7 +104,17 @@ def evaluate_detectors(runs, detectors=None, *, target: float = FALSE_ALARM_TARG
         "calibrated": cal, "calibrated_reverse": rev, "monitor_calibration": monitor,
         "tradeoff": curves,
         "signals": leading_signals(runs),
+        "signals_p90": leading_signals(runs, band=90),
     }
+
+
+def _peaks(run) -> dict:
+    """The final loss and the largest max logit of a run: what a reader needs to see that a run
+    the rule calls stable may still have run its logits away."""
+    logits = [v for r in run.records for k, v in r.items() if MAX_LOGIT.matches(k) and MAX_LOGIT.parse(k)[1] is None
+              and isinstance(v, (int, float))]
+    losses = [r[keys.LOSS_TRAIN] for r in run.records if isinstance(r.get(keys.LOSS_TRAIN), (int, float))]
+    return {"final_loss": losses[-1] if losses else None, "peak_max_logit": max(logits) if logits else None}
 
 
 def run_early_warning(run_folders, out, *, target: float = FALSE_ALARM_TARGET, log=print) -> dict:

@@ -51,14 +51,18 @@ class Run:
         return self.records[-1][keys.STEP] if self.records else None
 
 
-def find_run_dirs(root: str | Path) -> list[Path]:
+def _moved_aside(root: Path, run_dir: Path) -> bool:
+    return any(".incomplete-" in part for part in run_dir.relative_to(root).parts)
+
+
+def find_run_dirs(root: str | Path, *, moved_aside: bool = False) -> list[Path]:
     """Run folders (holding a metrics.jsonl) at or below ``root``, in path order; folders the
-    trainer moved aside (``*.incomplete-<k>``) are left out."""
+    trainer moved aside (``*.incomplete-<k>``) only with ``moved_aside``."""
     root = Path(root)
     if (root / "metrics.jsonl").is_file():
         return [root]
     return sorted(p.parent for p in root.rglob("metrics.jsonl")
-                  if not any(".incomplete-" in part for part in p.relative_to(root).parts))
+                  if moved_aside or not _moved_aside(root, p.parent))
 
 
 def _label(root: Path, run_dir: Path) -> str:
@@ -74,10 +78,12 @@ def load_runs(roots, *, log=None) -> tuple[list[Run], list[dict]]:
     for root in map(Path, roots):
         if not root.exists():
             raise FileNotFoundError(f"--runs: no folder {root}")
-        for d in find_run_dirs(root):
+        for d in find_run_dirs(root, moved_aside=True):
             why = None
             cfg_file = d / "config.toml"
-            if not cfg_file.is_file():
+            if _moved_aside(root, d):
+                why = "moved aside by the trainer (restarted before its first checkpoint)"
+            elif not cfg_file.is_file():
                 why = "no config.toml (seed and warm-up unknown)"
             else:
                 try:

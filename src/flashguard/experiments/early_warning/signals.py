@@ -14,7 +14,9 @@ the injection grid) so that every signal is judged on the same time grid:
 
 The stable range at step s: the maximum of the signal over the stable runs of the same seed at
 step s (every arm of a seed sees the same batches, so the band carries that seed's data); all
-stable runs where a seed has none. A signal leaves the range at the first probe step s <= d (the
+stable runs where a seed has none. ``band`` = a number q instead: the q-th percentile of those
+runs at s (linear interpolation), a check that one stable run far out (the rule calls a run
+stable whatever its logits do as long as its loss holds) does not decide the answer alone. A signal leaves the range at the first probe step s <= d (the
 divergence step) where it is above the band there and at the next probe step (persistence, as the
 monitor asks of its probe signals; when the next probe step is past d, s alone counts); a
 non-finite value is above any band. Its lead is d - s. The leading signal of a run is the one that
@@ -27,6 +29,8 @@ from __future__ import annotations
 import math
 import re
 import statistics
+
+import numpy as np
 
 from ... import keys
 
@@ -85,7 +89,15 @@ def _exit_step(series: dict[int, float], band: dict[int, float], d: int) -> int 
     return None
 
 
-def leading_signals(runs) -> dict:
+def _upper(vals, band):
+    if band == "max":
+        return max(vals)
+    if any(not math.isfinite(v) for v in vals):   # numpy's percentile of +inf values is nan
+        vals = [v if math.isfinite(v) else 1e308 for v in vals]
+    return float(np.percentile(np.asarray(vals, dtype=float), float(band)))
+
+
+def leading_signals(runs, *, band="max") -> dict:
     """{"runs": [{"run", "seed", "divergence_step", "band_from", "exits": {signal: step or None},
     "leads": {signal: lead or None}, "leader": [signals], "margin": steps or None, "next"}],
     "signals": {signal: {"left": n, "led": n, "median_lead": x}}, "divergent": n}."""
@@ -103,12 +115,12 @@ def leading_signals(runs) -> dict:
             if not mine or not refs:
                 exits[name] = None
                 continue
-            band = {}
+            upper = {}
             for step in mine:
                 vals = [x[step] for x in refs if step in x]
                 if vals:
-                    band[step] = max(vals)
-            exits[name] = _exit_step(mine, band, d)
+                    upper[step] = _upper(vals, band)
+            exits[name] = _exit_step(mine, upper, d)
         leads = {n: (None if s is None else d - s) for n, s in exits.items()}
         found = sorted((s, n) for n, s in exits.items() if s is not None)
         leader = [n for s, n in found if s == found[0][0]] if found else []
@@ -123,4 +135,4 @@ def leading_signals(runs) -> dict:
         ls = [row["leads"][name] for row in rows if row["leads"].get(name) is not None]
         summary[name] = {"left": len(ls), "led": sum(name in row["leader"] for row in rows),
                          "median_lead": statistics.median(ls) if ls else None}
-    return {"divergent": len(rows), "stable": len(stable), "runs": rows, "signals": summary}
+    return {"band": band, "divergent": len(rows), "stable": len(stable), "runs": rows, "signals": summary}
