@@ -23,7 +23,9 @@ from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
 from ...utils.atomic import atomic_write_text
 from ..repro.presets import config_path, get_preset
 from ..repro.runner import _versions, train_run
+from ...utils.jsonl import read_jsonl
 from .analysis import boundaries, cell_outcomes, judge_coherence, run_outcome
+from .coherence import by_component, judge_leading_layer, margin, real_bias_ratio, runaway_steps
 from .figures import phase_diagram, wq_norms
 from .presets import InjectionPreset, arms, columns
 
@@ -87,12 +89,28 @@ def _write(out: Path, preset: InjectionPreset, grid, seeds, steps: int, common, 
     verdict = (judge_coherence(cells, alphas, coherent=coherent) if coherent and "zero-mean" in cols else
                {"id": "I1", "title": "", "verdict": "inconclusive",
                 "evidence": "the grid needs a zero-mean column (p = 0.5) and a coherent one (p > 0.5)", "numbers": {}})
+    # the arithmetic's own lean (baseline arms' probes), the grid by coherent component, C3
+    baselines = {seed: out / "runs" / f"s{seed}" / a.name for seed in seeds for a in grid if a.baseline}
+    lean = {seed: real_bias_ratio(read_jsonl(d / "metrics.jsonl")) if (d / "metrics.jsonl").exists() else
+            real_bias_ratio([]) for seed, d in baselines.items()}
+    b = max((x["b"] for x in lean.values() if x["b"] is not None), default=None)
+    upper = max((x["upper"] for x in lean.values() if x["upper"] is not None), default=None)
+    rows = by_component(runs, b)
+    runaways = [{"seed": seed, "name": name, "steps": runaway_steps(o, outcomes[(seed, base.name)])}
+                for (seed, name), o in outcomes.items() for base in grid
+                if base.baseline and name != base.name and o["summary"]["status"] == "diverged"
+                and outcomes[(seed, base.name)]["summary"]["status"] in ("done", "diverged")]
+    n_layers = max((len(o["wq_norm"]) for o in outcomes.values()), default=0)
+    verdicts = [verdict]
+    if n_layers:
+        verdicts.append(judge_leading_layer([r["steps"] for r in runaways], n_layers))
     result = {"experiment": "injection", "preset": preset.name, "about": preset.about, "repro_preset": preset.repro,
               "steps": steps, "seeds": seeds, "alphas": alphas, "ps": list(preset.ps), "columns": cols,
               "reference": preset.reference, "divergence_rule": describe_rule(DIVERGENCE_FACTOR),
               "versions": _versions(), "runs": runs,
               "cells": [{"column": c, "alpha": a, **cells[(c, a)]} for c in cols for a in alphas if (c, a) in cells],
-              "boundaries": bounds, "claims": [verdict], "figures": []}
+              "boundaries": bounds, "lean": {str(k): v for k, v in lean.items()}, "by_component": rows,
+              "margin": margin(rows, upper), "runaways": runaways, "claims": verdicts, "figures": []}
     out.mkdir(parents=True, exist_ok=True)
     if figures:
         phase_diagram(cells, cols, alphas, bounds, out / "phase.png",
@@ -133,6 +151,18 @@ def injection_markdown(result: dict) -> str:
     lines.append("| **alpha\\*** | " + " | ".join(result["boundaries"][c]["text"] for c in cols) + " |")
     lines += ["", "| claim | verdict | evidence |", "|---|---|---|"]
     lines += [f"| {v['id']}: {v['title']} | **{v['verdict']}** | {v['evidence']} |" for v in result["claims"]]
+    if result.get("by_component"):
+        lines += ["", "The grid by coherent component c = alpha (2p - 1) (real and shuffled: alpha |b|, b the "
+                  "baseline's measured lean of delta's error, mean over probe steps), in units of the real "
+                  "error's mean size:", "",
+                  "| c | column | alpha | diverged / seeds | divergence steps |", "|---|---|---|---|---|"]
+        for r in result["by_component"]:
+            c = "?" if r["c"] is None else f"{r['c']:.3g}"
+            steps = ", ".join(map(str, sorted(r["steps"]))) or "-"
+            done = f"{r['diverged']}/{r['seeds']}" if r["finished"] == r["seeds"] else \
+                f"{r['diverged']}/{r['seeds']} ({r['seeds'] - r['finished']} unfinished)"
+            lines.append(f"| {c} | {r['column']} | {r['alpha']:g} | {done} | {steps} |")
+        lines += ["", f"**Margin of the real run:** {result['margin']['text']}."]
     lines += ["", "| run | seed | status | steps | diverged at | final loss | W_Q norm last (per layer) | "
                   "max logit peak (per layer) |", "|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
