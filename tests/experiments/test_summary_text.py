@@ -194,3 +194,23 @@ def test_demo_console_starts_with_what_runs_and_ends_with_the_summary(tmp_path, 
     assert 'override_sdpa(precision="paper-fp32fwd", stabilizer="none")' in summary
     # the real report writer ran on the stored results
     assert res["report"]["md"].read_text().startswith("# flashguard report: demo\n\n## Summary")
+
+
+def test_the_hugging_face_recipe_runs(tmp_path, monkeypatch):
+    """The Hugging Face recipe, executed on a tiny Llama saved and loaded offline."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    import flashguard
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "tiny")
+    calls = []
+    real = flashguard.attention.function.scaled_dot_product_attention
+    monkeypatch.setattr(flashguard.attention.function, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(k) or real(*a, **k))
+    x = torch.randint(0, 64, (2, 16))
+    scope = {"NAME": str(tmp_path / "tiny"), "batch": {"input_ids": x, "labels": x}}
+    exec(st.recipe_hf("paper-fp32fwd", "none"), scope)
+    assert calls and calls[0]["precision"] == "paper-fp32fwd"
+    assert scope["model"].dtype == torch.bfloat16 and torch.isfinite(scope["loss"])

@@ -114,15 +114,14 @@ def _hf_registry() -> bool:
     import importlib.util
     try:
         return importlib.util.find_spec("flashguard.integrations.hf") is not None
-    except ImportError:
+    except (ImportError, ValueError):   # a broken or odd install: just leave the mention out
         return False
 
 
 def recipe_hf(precision: str, stabilizer: str) -> str:
     return (f"import flashguard, torch\n"
             f"from transformers import AutoModelForCausalLM\n"
-            f"model = AutoModelForCausalLM.from_pretrained(NAME, torch_dtype=torch.bfloat16,\n"
-            f"                                             attn_implementation=\"sdpa\")\n"
+            f"model = AutoModelForCausalLM.from_pretrained(NAME, attn_implementation=\"sdpa\").to(torch.bfloat16)\n"
             f"with flashguard.override_sdpa(precision=\"{precision}\", stabilizer=\"{stabilizer}\"):\n"
             f"    loss = model(**batch).loss\n"
             f"loss.backward()")
