@@ -53,6 +53,11 @@ def test_a_biased_arithmetic_gets_a_recipe_naming_the_measured_fix():
     assert 'attn_implementation="sdpa"' in text            # the Hugging Face recipe
     assert text.count("override_sdpa(") == 2                # plain PyTorch and Hugging Face
     assert "removed by: paper / paper(beta=7,tol=0.001)" in text   # the lab's own verdict, quoted
+    # a remover the recipe cannot name (a kernel label) is skipped for the next one, never replaced by a guess
+    lab = _lab({"paper": _answer(["k=2"], ["paper / none 64x64 [triton]", "paper-fp32fwd / none"])})
+    assert advice_from_lab(lab)[0].fix == ("paper-fp32fwd", "none")
+    lab = _lab({"paper": _answer(["k=2"], ["paper / none 64x64 [triton]"])})
+    assert advice_from_lab(lab)[0].fix is None and "see lab.md for the measured fix" in _text(lab)
     # another fix measured: the recipe follows the measurement, nothing is hand-written
     text = _text(_lab({"paper": _answer(["k=2"], ["paper-fp32fwd / none"])}))
     assert 'override_sdpa(precision="paper-fp32fwd", stabilizer="none")' in text and "beta=7" not in text

@@ -56,8 +56,10 @@ class Advice:
             return f"{head}: no fix needed; keep stabilizer \"none\" (lab: {self.measured.split(';')[0]})."
         if self.fix is not None:
             prec, stab = self.fix
-            tried = f" The stabilizers alone do not: {', '.join(self.failed)}." if self.failed else ""
+            tried = f" Measured not to remove it: {', '.join(self.failed)}." if self.failed else ""
             return (f"{head}: use precision=\"{prec}\", stabilizer=\"{stab}\" (lab: {self.measured}).{tried}")
+        if self.removed_by:   # a remover override_sdpa cannot name (e.g. another kernel): lab.md has it
+            return f"{head}: see lab.md for the measured fix, which has no override_sdpa recipe (lab: {self.measured})."
         return f"{head}: no measured fix; nothing the lab tried removes its lean (lab: {self.measured})."
 
 
@@ -95,7 +97,13 @@ def advice_from_lab(lab: dict) -> list[Advice]:
         removed = tuple(ans.get("removed_by") or ())
         fix = None
         if biased and removed:
-            fix = fix_arguments(removed[0])   # the lab lists stabilizers before arithmetic changes
+            # the first remover override_sdpa can name (the lab lists stabilizers before arithmetic changes)
+            for label in removed:
+                try:
+                    fix = fix_arguments(label)
+                    break
+                except ValueError:
+                    continue
         failed = tuple(k.partition(" / ")[2] for k in (ans.get("failures") or {})
                        if k.partition(" / ")[0] == pol)      # same arithmetic, another stabilizer
         out.append(Advice(pol, ans.get("line", ""), biased, fix, removed, failed))
