@@ -11,7 +11,7 @@ import torch
 import flashguard
 
 PUBLIC = ["flash_attention", "scaled_dot_product_attention", "override_sdpa", "get_policy", "POLICIES",
-          "get_stabilizer", "STABILIZERS", "trace", "Arithmetic"]
+          "get_stabilizer", "STABILIZERS", "trace", "Arithmetic", "watch"]
 
 
 def _python(code: str) -> str:
@@ -30,6 +30,8 @@ def test_public_names_are_the_subpackages_own():
     assert flashguard.get_policy is numerics.get_policy and flashguard.POLICIES is numerics.POLICIES
     assert flashguard.get_stabilizer is attention.get_stabilizer and flashguard.STABILIZERS is attention.STABILIZERS
     assert flashguard.trace is trace_module.trace and flashguard.Arithmetic is trace_module.Arithmetic
+    from flashguard.diagnostics import watch as watch_module
+    assert flashguard.watch is watch_module.watch
     assert set(PUBLIC) <= set(dir(flashguard))
     assert not [n for n in dir(flashguard) if not n.startswith("__") and n not in PUBLIC]  # nothing private shows
     with pytest.raises(AttributeError, match="no attribute 'flash_attn'"):

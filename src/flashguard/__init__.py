@@ -5,6 +5,8 @@
     with flashguard.override_sdpa(precision="paper-fp32fwd"):
         loss = model(x).loss                       # any model calling F.scaled_dot_product_attention
     t = flashguard.trace(q, k, v, do, flashguard.Arithmetic.of("paper", "safe"))   # errors against fp64
+    with flashguard.watch(model, every=50, log_dir="runs/x") as w:   # the probes on any SDPA model
+        ...; w.step()                              # once per optimizer step
 
 The names below are loaded on first use, so ``import flashguard`` does not import torch
 (and never matplotlib or triton); the subpackages (flashguard.attention, .numerics, .train,
@@ -26,6 +28,7 @@ _EXPORTS = {
     "STABILIZERS": "flashguard.attention.stabilizers",
     "trace": "flashguard.attention.trace",
     "Arithmetic": "flashguard.attention.trace",
+    "watch": "flashguard.diagnostics.watch",
 }
 
 __all__ = list(_EXPORTS)
@@ -34,6 +37,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names are loade
     from .attention.function import flash_attention, override_sdpa, scaled_dot_product_attention
     from .attention.stabilizers import STABILIZERS, get_stabilizer
     from .attention.trace import Arithmetic, trace
+    from .diagnostics.watch import watch
     from .numerics.policy import POLICIES, get_policy
 del TYPE_CHECKING
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from ...diagnostics.sdpa_capture import SdpaCapture
 from .measure import Bench, Measurement
 
 __all__ = ["CapturedProblem", "from_run", "record_sdpa", "SdpaRecorder", "run_captured"]
@@ -84,32 +84,12 @@ def from_run(run_dir, *, step: int | None = None, layers=None, batches: int = 1,
     return out
 
 
-class SdpaRecorder:
-    """Records the inputs of ``F.scaled_dot_product_attention`` calls and their output gradients."""
+class SdpaRecorder(SdpaCapture):
+    """Records the inputs of ``F.scaled_dot_product_attention`` calls and their output gradients
+    (the one SDPA capture, ``flashguard.diagnostics.sdpa_capture``), as captured problems."""
 
     def __init__(self, limit: int | None = None):
-        self.calls: list[dict] = []
-        self.limit = limit
-
-    def _wrap(self, original):
-        def recording(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                      enable_gqa=False, **kw):
-            out = original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                           scale=scale, enable_gqa=enable_gqa, **kw)
-            if (self.limit is None or len(self.calls) < self.limit) and query.dim() == 4:
-                k, v = key, value
-                if enable_gqa and key.shape[1] != query.shape[1]:
-                    rep = query.shape[1] // key.shape[1]
-                    k, v = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-                rec = {"q": query.detach(), "k": k.detach(), "v": v.detach(), "do": None, "causal": bool(is_causal),
-                       "scale": scale, "attn_mask": None if attn_mask is None else attn_mask.detach(),
-                       "dropout_p": dropout_p}
-                self.calls.append(rec)
-                if out.requires_grad:
-                    out.register_hook(lambda g, rec=rec: rec.__setitem__("do", g.detach()))
-            return out
-        recording.__wrapped__ = original
-        return recording
+        super().__init__(limit)
 
     def problems(self, prefix: str = "sdpa") -> list[CapturedProblem]:
         out = []
@@ -131,13 +111,8 @@ def record_sdpa(limit: int | None = None):
             loss.backward()
         problems = rec.problems()
     """
-    rec = SdpaRecorder(limit)
-    original = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = rec._wrap(original)
-    try:
+    with SdpaRecorder(limit) as rec:
         yield rec
-    finally:
-        F.scaled_dot_product_attention = original
 
 
 def run_captured(problems: list[CapturedProblem], policies, *, bench: Bench | None = None, progress=None) -> dict:
