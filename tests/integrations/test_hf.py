@@ -173,6 +173,33 @@ def test_generation_with_a_cache_matches_torch_sdpa(arch):
     torch.testing.assert_close(torch.stack(ours.logits), torch.stack(ref.logits), rtol=1e-10, atol=1e-10)
 
 
+def test_softcapping_and_sliding_window_as_eager_attention():
+    # Gemma 2: attention-logit soft-capping (transformers' sdpa path refuses it; flashguard has
+    # it) and sliding-window layers (window 16 < T, in the mask transformers builds). The known
+    # answer is transformers' eager attention in an fp64 model, whose softmax runs in fp32: hence
+    # a tolerance of 1e-5 of the logits' size, where the capping itself moves them by 2e-2 of it.
+    from transformers import Gemma2Config
+
+    def config(cap):
+        return Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                            sliding_window=16, attn_logit_softcapping=cap, final_logit_softcapping=None,
+                            initializer_range=0.2, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+    torch.manual_seed(0)
+    ref_model = AutoModelForCausalLM.from_config(config(5.0), attn_implementation="eager").double()
+    ours_model = AutoModelForCausalLM.from_config(config(5.0), attn_implementation="fg-test-fp64").double()
+    uncapped = AutoModelForCausalLM.from_config(config(None), attn_implementation="fg-test-fp64").double()
+    for m in (ours_model, uncapped):
+        m.load_state_dict(ref_model.state_dict())
+    x = _tokens()
+    with torch.no_grad():
+        ref, ours, off = (m(x).logits for m in (ref_model, ours_model, uncapped))
+    size = ref.abs().max()
+    assert (ours - ref).abs().max() < 1e-5 * size
+    assert (off - ref).abs().max() > 1e-2 * size
+
+
 def test_options_per_model_by_name_and_saved_models(tmp_path):
     # one model switched between registrations, and a saved model reloaded under a name
     state, x = _weights("llama"), _tokens()
