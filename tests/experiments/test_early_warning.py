@@ -179,7 +179,12 @@ def test_calibration_picks_the_smallest_threshold_under_the_false_alarm_target()
     assert choose_threshold(stable, grid) == 3.0             # 1/10 = 10 % <= 10 %
     assert choose_threshold(stable, grid, target=0.0) == 4.0
     assert choose_threshold(stable, grid, target=0.3) == 2.0
-    assert choose_threshold(stable, [1.0, 2.0], target=0.05) is None   # nothing meets the target
+    assert choose_threshold(stable, [1.0, 2.0], target=0.05) is None   # nothing meets the target ...
+    # ... the fallback: the lowest rate (1/10 at 3), the smallest threshold among equals (3/10 at 2 and 2.2)
+    assert choose_threshold(stable, [1.0, 2.0, 3.0], target=0.05, fallback=True) == 3.0
+    fine = [1.0, 2.0, 2.2]
+    three = [{t: (5 if t <= h else None) for t in fine} for h in [1] * 7 + [3] * 3]
+    assert choose_threshold(three, fine, target=0.05, fallback=True) == 2.0
     assert choose_threshold([], grid) is None                          # nothing to calibrate on
 
 
@@ -192,7 +197,7 @@ def test_calibrate_uses_only_the_odd_seeds_stable_runs():
     table = sweep(runs, [det])
     cal = calibrate(runs, [det], table)["max-logit"]
     # odd seeds' stable runs peak at < 42 and < 63 (x 1.05): the smallest grid value above both is 75
-    assert cal["threshold"] == 75.0
+    assert cal["threshold"] == 75.0 and cal["met_target"] and cal["calibration_false_alarm_rate"] == 0.0
     assert cal["calibration"]["seeds"] == [1, 3] and cal["held_out"]["seeds"] == [2, 4]
     assert cal["held_out"]["divergent"] == 2 and cal["held_out"]["stable"] == 2
     # seed 4's stable run peaks near 70-74: it stays under 75, a held-out number, not a choice

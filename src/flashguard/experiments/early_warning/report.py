@@ -57,18 +57,18 @@ def early_warning_markdown(res: dict) -> str:
             e = res[key][d["name"]]
             cal = e["calibration"]
             if e["threshold"] is None:
-                why = ("no stable runs to calibrate on" if cal["stable"] == 0 else
-                       f"no threshold of the grid meets the target on {cal['stable']} stable runs; alarmed even at "
-                       f"the largest: {', '.join(cal['alarmed_at_max'])}")
-                L.append(f"| {d['name']} | {fold} | none ({why}) | - | - | - | - |")
+                L.append(f"| {d['name']} | {fold} | none (no stable runs to calibrate on) | - | - | - | - |")
                 continue
+            chosen = f"{e['threshold']:g} ({d['default']:g})"
+            if not e["met_target"]:
+                chosen += (f"; **target not met**: false alarms {e['calibration_false_alarm_rate']:.0%} of "
+                           f"{cal['stable']} calibration stable runs at best (alarmed even at the largest threshold: "
+                           f"{', '.join(cal['alarmed_at_max']) or '-'})")
             m = e["held_out"]
             if m is None:
-                L.append(f"| {d['name']} | {fold} | {e['threshold']:g} ({d['default']:g}) | no held-out runs "
-                         "| - | - | - |")
+                L.append(f"| {d['name']} | {fold} | {chosen} | no held-out runs | - | - | - |")
                 continue
-            L.append(f"| {d['name']} | {fold} | {e['threshold']:g} ({d['default']:g}) | {_hits(m)} | {m['misses']} | "
-                     f"{_lead(m)} | {_fa(m)} |")
+            L.append(f"| {d['name']} | {fold} | {chosen} | {_hits(m)} | {m['misses']} | {_lead(m)} | {_fa(m)} |")
     if res["monitor_calibration"]:
         L += ["", "## The monitor's thresholds as calibration would set them", "",
               "The monitor's defaults are unchanged here; these are the values its calibrated scale k stands for "
@@ -76,7 +76,8 @@ def early_warning_markdown(res: dict) -> str:
         for name, e in res["monitor_calibration"].items():
             fields = list(e["defaults"])
             L += [f"**{name}**", "", "| threshold | default | " + " | ".join(
-                f"{fold} (k = {_f(e[fold]['scale'])})" for fold in ("odd->even", "even->odd")) + " |",
+                f"{fold} (k = {_f(e[fold]['scale'])}{'' if e[fold]['met_target'] else ', target not met'})"
+                for fold in ("odd->even", "even->odd")) + " |",
                 "|---|---|---|---|"]
             for f in fields:
                 cells = [_f(None if e[fold]["thresholds"] is None else e[fold]["thresholds"][f], "{:.3g}")

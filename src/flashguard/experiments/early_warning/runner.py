@@ -76,7 +76,8 @@ def evaluate_detectors(runs, detectors=None, *, target: float = FALSE_ALARM_TARG
             for fold, c in (("odd->even", cal), ("even->odd", rev)):
                 k = c[d.name]["threshold"]
                 th = None if k is None else asdict(monitor_thresholds(k))
-                entry[fold] = {"scale": k, "thresholds": None if th is None else {f: th[f] for f in _MONITOR_LEVELS}}
+                entry[fold] = {"scale": k, "met_target": c[d.name]["met_target"],
+                               "thresholds": None if th is None else {f: th[f] for f in _MONITOR_LEVELS}}
             base = asdict(monitor_thresholds(1.0))
             entry["defaults"] = {f: base[f] for f in _MONITOR_LEVELS}
             monitor[d.name] = entry

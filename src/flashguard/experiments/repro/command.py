@@ -92,9 +92,9 @@ def _run_early_warning_command(args) -> int:
         return "-" if x is None else f"{x:g}"
 
     for d in result["detectors"]:
-        m, t = result["default"][d["name"]], result["calibrated"][d["name"]]["threshold"]
+        m, cal = result["default"][d["name"]], result["calibrated"][d["name"]]
         print(f"{d['name']:<16} default {d['default']:g}: hits {m['hits']}/{m['divergent']}, median lead "
               f"{num(m['lead']['median'])}, false alarms {m['false_alarms']}/{m['stable']}; "
-              f"calibrated threshold {num(t)}")
+              f"calibrated threshold {num(cal['threshold'])}" + ("" if cal["met_target"] else " (target not met)"))
     print(f"tables: {args.out}/early_warning.md; figures: {', '.join(result['figures'])}")
     return 0
