@@ -99,6 +99,7 @@ def test_what_ran_what_held_and_why_no_explosion():
     assert "C1 training diverges: not held" in text and "(i) tied maxima" in text
     assert "No run diverged, and none was expected to: 200 steps of the tiny-cpu model, 409,600 tokens" in text
     assert "thousands of steps of GPT-2" in text
+    assert 'a claim that needs a diverging run (C1) reads "not held" or "inconclusive" here; the lab looks' in text
     assert "no per-arithmetic answers" in text    # a lab result without answers says so, advises nothing
     runs[1] = st._Run("paper", "flash, paper, no fix", {"diverged_at": 150})
     text = _text(None, runs=runs, claims=claims, steps=200)

@@ -36,6 +36,8 @@ ABOUT = {
 # the scale of the study's explosion, for "why no explosion here" (Qiu & Yao 2025: GPT-2 small
 # on OpenWebText, diverging after thousands of steps)
 STUDY_SCALE = "thousands of steps of GPT-2 small, 124 M weights at about 0.5 M tokens a step"
+# the claims judged on whether runs diverge (experiments/repro/claims.py); the others read the probes
+DIVERGENCE_CLAIMS = ("C1", "C2", "C3", "C4", "C8")
 
 
 @dataclass(frozen=True)
@@ -195,10 +197,17 @@ def build_summary(inp: _Inputs) -> list[tuple]:
             tokens = (f", {inp.tokens_per_step * inp.steps:,} tokens in all,"
                       if inp.tokens_per_step and inp.steps else "")
             model = inp.model or "a small model"
-            blocks.append(("p", f"No run diverged, and none was expected to: {length} of {model}{tokens} are far "
-                                f"too few; the study's explosion took {STUDY_SCALE}. So a claim that needs a "
-                                "diverging run (C1, C8) reads \"not held\" or \"inconclusive\" here; the lab and the "
-                                "probes (C5, C6) look at the mechanism itself."))
+            ids = [str(c.get("id")) for c in inp.claims]
+            needs = [i for i in ids if i in DIVERGENCE_CLAIMS]
+            probes = [i for i in ids if i not in DIVERGENCE_CLAIMS]
+            text = (f"No run diverged, and none was expected to: {length} of {model}{tokens} are far too few; "
+                    f"the study's explosion took {STUDY_SCALE}.")
+            if needs:
+                text += (f" So a claim that needs a diverging run ({', '.join(needs)}) reads \"not held\" or "
+                         "\"inconclusive\" here; "
+                         + (f"the lab and the probes ({', '.join(probes)}) look" if probes else "the lab looks")
+                         + " at the mechanism itself.")
+            blocks.append(("p", text))
     # what to use: from the lab's measured answers only
     if lab is not None:
         advice = advice_from_lab(lab)
