@@ -186,18 +186,21 @@ def test_demo_console_starts_with_what_runs_and_ends_with_the_summary(tmp_path, 
     monkeypatch.setattr(data, "prepare_embedded", lambda *a, **k: pytest.fail("corpus is there"))
     monkeypatch.setattr(lab_pkg, "run_lab", lambda **kw: lab)
     monkeypatch.setattr(lab_report, "write_lab", lambda result, d: None)
+    import flashguard.experiments.injection as injection_pkg
     monkeypatch.setattr(repro_pkg, "run_repro", lambda *a, **kw: _repro_folder(out, lab))
+    monkeypatch.setattr(injection_pkg, "run_injection", lambda *a, **kw: _injection("held"))
     lines = []
     res = run_demo(out, data_dir=tmp_path / "data", steps=20, progress=False, log=lines.append)
     text = " ".join("\n".join(lines).split())
     assert text.startswith("flashguard demo: the rounding-bias lab, then matched training runs of the tiny-cpu "
                            "model (20 steps each), then a report. No explosion is expected at this length")
     start = text.index("Summary -------")
-    assert text.index("[4/4] report") < start < text.index("demo done in")
+    assert text.index("[4/5] causal comparison") < text.index("[5/5] report") < start < text.index("demo done in")
     summary = text[start:]
     assert "`paper` (the study's reference code: every intermediate bf16): use precision=\"paper-fp32fwd\"" in summary
     assert "`fa2` (" in summary and "no fix needed" in summary
     assert 'override_sdpa(precision="paper-fp32fwd", stabilizer="none")' in summary
+    assert "`coherent-p1-a10` diverged at step 420" in summary and "I1 " in summary
     # the real report writer ran on the stored results
     assert res["report"]["md"].read_text().startswith("# flashguard report: demo\n\n## Summary")
 
@@ -220,3 +223,29 @@ def test_the_hugging_face_recipe_runs(tmp_path, monkeypatch):
     exec(st.recipe_hf("paper-fp32fwd", "none"), scope)
     assert calls and calls[0]["precision"] == "paper-fp32fwd"
     assert scope["model"].dtype == torch.bfloat16 and torch.isfinite(scope["loss"])
+
+
+def _injection(verdict):
+    def run(name, status, step=None, final=None):
+        return {"name": name, "title": f"the {name} arm", "seed": 1, "dir": f"runs/s1/{name}",
+                "summary": {"status": status, "diverged_at": step, "final_loss": final},
+                "wq_norm": {"0": [[0, 0.3], [25, 0.4]]}, "wq_norm_peak": {"0": 40.0 if step else 1.5},
+                "max_logit_peak": {"0": 9.0}}
+    return {"repro_preset": "micro", "steps": 1500, "seeds": [1], "about": "three arms",
+            "divergence_rule": "loss >= 2 x its running minimum",
+            "runs": [run("real-a1", "done", final=1.9), run("coherent-p1-a10", "diverged", step=420),
+                     run("zero-mean-a100", "done", final=2.1)],
+            "claims": [{"id": "I1", "title": "A coherent delta error explodes where a zero-mean one does not",
+                        "verdict": verdict, "evidence": "measured"}],
+            "margin": {"text": "the real run sits at least 9.3x below the boundary at this scale"}}
+
+
+@pytest.mark.parametrize("verdict, says", [("held", "its lean is"), ("not held", "no reason to fear a lean"),
+                                           ("inconclusive", "decided nothing yet")])
+def test_injection_blocks_say_what_the_verdict_supports(verdict, says):
+    from flashguard.experiments.report.summary_text import injection_blocks, render_text
+    text = " ".join(render_text(injection_blocks(_injection(verdict))).split())
+    assert "`coherent-p1-a10` diverged at step 420, W_Q spectral norm 0.3 -> peak 40" in text
+    assert "`zero-mean-a100` trained on (final loss 2.1" in text
+    assert f"I1 A coherent delta error explodes where a zero-mean one does not: {verdict} (measured)" in text
+    assert says in text and "9.3x below the boundary" in text

@@ -6,7 +6,10 @@
    fix, with the study's fix and with `safe`, same seed and batches, probed every 20 steps
    (claims C1, C5, C6, C8; an explosion itself takes far longer than a demo, so C1 and C8
    are expected to read "not held" / "inconclusive" here, and the report says why);
-4. writes the report (report.md, self-contained report.html) and prints where it is.
+4. trains the causal comparison (`micro-demo` injection preset, about a minute): the micro model
+   with the arithmetic's own delta error, that error made one-signed at 10x, and made zero-mean
+   at 100x, on the same batches (claim I1: does the sign structure, not the size, explode a run?);
+5. writes the report (report.md, self-contained report.html) and prints where it is.
 
 The console starts with what will run and why no explosion is expected, and ends with the
 same plain-language summary report.md and report.html begin with (report/summary_text.py):
@@ -39,6 +42,7 @@ def run_demo(out: str | Path = "demo", *, data_dir: str | Path = "data/embedded"
     from .lab.report import write_lab
     from .report import write_report
     from .report.summary_text import intro_text, render_text, summary_from_repro
+    from .injection import get_injection_preset, run_injection
     from .repro import get_preset, run_repro
 
     t0 = time.perf_counter()
@@ -46,34 +50,37 @@ def run_demo(out: str | Path = "demo", *, data_dir: str | Path = "data/embedded"
     preset = get_preset("demo")
     log(intro_text(steps or preset.steps).rstrip())
     if not (data_dir / "meta.json").is_file():
-        log(f"[1/4] preparing the embedded corpus in {data_dir}")
+        log(f"[1/5] preparing the embedded corpus in {data_dir}")
         prepare_embedded(data_dir, progress=progress)
     else:
-        log(f"[1/4] corpus: {data_dir}")
+        log(f"[1/5] corpus: {data_dir}")
     if (out / "lab" / "lab.json").is_file():
-        log("[2/4] lab: already done")
+        log("[2/5] lab: already done")
         lab = json.loads((out / "lab" / "lab.json").read_text())
     else:
-        log("[2/4] rounding-bias lab (quick)")
+        log("[2/5] rounding-bias lab (quick)")
         lab = run_lab(quick=True, policy="paper", seed=0, progress=lambda m: log(f"  {m}"))
         write_lab(lab, out / "lab")
-    log("[3/4] matched training runs")
+    log("[3/5] matched training runs")
     result = run_repro(preset, out, claims=DEMO_CLAIMS, steps=steps,
                        overrides=[f'data.dir="{data_dir}"'], progress=progress, log=lambda m: log(f"  {m}"))
-    log("[4/4] report")
+    log("[4/5] causal comparison: error injection on the micro model (real / one-signed x10 / zero-mean x100)")
+    injection = run_injection(get_injection_preset("micro-demo"), out / "injection",
+                              overrides=[f'data.dir="{data_dir}"'], progress=False, log=lambda m: log(f"  {m}"))
+    log("[5/5] report")
     paths = write_report([out], out / "report")
     if not keep_checkpoints:
-        freed = _drop_checkpoints(out, result)
+        freed = _drop_checkpoints(out, result) + _drop_checkpoints(out / "injection", injection)
         if freed:
             log(f"  removed the finished runs' checkpoints ({freed / 1e6:.0f} MB; the report reads their metrics; "
                 "--keep-checkpoints keeps the last one per run)")
     for c in result["claims"]:
         log(f"  {c['id']}  {c['verdict']:<12}  {c['evidence']}")
     log("")
-    log(render_text(summary_from_repro(result, lab, out)).rstrip())
+    log(render_text(summary_from_repro(result, lab, out, injection)).rstrip())
     log("")
     log(f"demo done in {time.perf_counter() - t0:.0f} s; report: {paths['html'].resolve()}")
-    return {"repro": result, "report": paths}
+    return {"repro": result, "injection": injection, "report": paths}
 
 
 def _drop_checkpoints(out: Path, result: dict) -> int:

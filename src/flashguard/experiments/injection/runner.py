@@ -80,7 +80,8 @@ def _write(out: Path, preset: InjectionPreset, grid, seeds, steps: int, common, 
             o = run_outcome(d, steps)
             outcomes[(seed, arm.name)] = o
             summaries.setdefault((arm.column, arm.alpha), {})[seed] = o["summary"]
-            runs.append({"name": arm.name, "seed": seed, "column": arm.column, "rule": arm.rule, "p": arm.p,
+            runs.append({"name": arm.name, "title": arm.run_spec(seed).title, "seed": seed, "column": arm.column,
+                         "rule": arm.rule, "p": arm.p,
                          "alpha": arm.alpha, "dir": f"runs/s{seed}/{arm.name}",
                          "overrides": [*common, *arm.run_spec(seed).overrides], **o})
     cells = cell_outcomes(summaries)

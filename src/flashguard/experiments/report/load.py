@@ -47,6 +47,7 @@ class Study:
     claims: list[dict] = field(default_factory=list)
     remedies: list[dict] = field(default_factory=list)
     lab: Lab | None = None
+    injection: dict | None = None   # injection.json of the repro's injection/ folder (the demo's causal comparison)
     notes: list[str] = field(default_factory=list)  # one line each: what was absent and so left out
 
 
@@ -132,6 +133,12 @@ def _load_repro(d: Path, study: Study) -> None:
         study.lab = _load_lab(lab_dir)
     elif repro.get("lab"):
         study.notes.append(f"lab: {lab_dir} has no lab.json (the lab section is left out)")
+    inj = d / "injection" / "injection.json"
+    if inj.is_file():
+        try:
+            study.injection = json.loads(inj.read_text())
+        except json.JSONDecodeError as e:
+            study.notes.append(f"injection: {inj} is not valid JSON ({e}); the injection section is left out")
 
 
 def _distinct(values) -> str | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["Advice", "advice_from_lab", "fix_arguments", "recipe_pytorch", "recipe_hf", "build_summary",
+           "injection_blocks",
            "summary_from_repro", "summary_from_study", "render_text", "intro_text", "STUDY_SCALE"]
 
 # what each lab arithmetic is, so that a reader can tell which one their training uses
@@ -153,6 +154,7 @@ class _Inputs:
     model: str | None = None              # "the tiny-cpu model (4 layers, width 256, 3.3 M weights)"
     tokens_per_step: int | None = None
     lab: dict | None = None
+    injection: dict | None = None         # injection.json: the causal comparison (experiments/injection)
 
 
 def _verdict_list(items: list[tuple[str, str]]) -> str:
@@ -208,6 +210,8 @@ def build_summary(inp: _Inputs) -> list[tuple]:
                          + (f"the lab and the probes ({', '.join(probes)}) look" if probes else "the lab looks")
                          + " at the mechanism itself.")
             blocks.append(("p", text))
+    if inp.injection is not None:
+        blocks += injection_blocks(inp.injection)
     # what to use: from the lab's measured answers only
     if lab is not None:
         advice = advice_from_lab(lab)
@@ -246,6 +250,59 @@ def build_summary(inp: _Inputs) -> list[tuple]:
     return blocks
 
 
+def _arm_text(run: dict) -> str:
+    s = run.get("summary") or {}
+    peak = max((run.get("wq_norm_peak") or {}).values(), default=None)
+    base = (run.get("wq_norm") or {})
+    first = min((pts[0][1] for pts in base.values() if pts), default=None)
+    wq = (f", W_Q spectral norm {first:.2g} -> peak {peak:.3g}" if peak is not None and first is not None else "")
+    if s.get("status") == "diverged":
+        return f"`{run['name']}` diverged at step {s.get('diverged_at')}{wq}"
+    if s.get("status") == "done":
+        loss = f" (final loss {s['final_loss']:.3g}{wq})" if s.get("final_loss") is not None else ""
+        return f"`{run['name']}` trained on{loss}"
+    return f"`{run['name']}`: {s.get('status', 'missing')}"
+
+
+def injection_blocks(result: dict) -> list[tuple]:
+    """The causal comparison of an injection result (experiments/injection/runner.py's dict): which
+    arm diverged, the verdicts, the real run's margin, and what a reader should conclude; every
+    statement read from the result."""
+    seed = (result.get("seeds") or [None])[0]
+    runs = [r for r in result.get("runs") or [] if r.get("seed") == seed]
+    claims = {c.get("id"): c for c in result.get("claims") or []}
+    blocks: list[tuple] = [("p", f"The causal half of the chain, forced at small scale (error injection, "
+                                 f"{result.get('repro_preset', '?')} model, {result.get('steps', '?')} steps, seed "
+                                 f"{seed}, the same batches in every run): the backward pass uses delta = delta_ref "
+                                 "+ alpha x rule(e), e the arithmetic's own delta error:")]
+    blocks.append(("list", [f"{_arm_text(r)}: {r.get('title') or r.get('name')}" if r.get("title") else _arm_text(r)
+                            for r in runs]))
+    held = []
+    for cid in ("I1", "C3"):
+        c = claims.get(cid)
+        if c is not None:
+            held.append(f"{cid} {c.get('title', '')}: {c.get('verdict')} ({c.get('evidence')})")
+    if held:
+        blocks.append(("list", held))
+    m = result.get("margin") or {}
+    i1 = (claims.get("I1") or {}).get("verdict")
+    if i1 == "held":
+        text = ("What to conclude: at this scale a delta error that keeps one sign runs W_Q away and diverges, "
+                "while a zero-mean error as large or larger trains on. The size of the rounding error is not "
+                "the danger, its lean is: the lab above measures whether your arithmetic's delta error leans "
+                "under ties, and the recipe removes it.")
+    elif i1 == "not held":
+        text = ("What to conclude: at this scale the sign structure of the delta error did not decide the "
+                "outcome (see the verdict's evidence), so this comparison gives no reason to fear a lean more "
+                "than noise of the same size.")
+    else:
+        text = "What to conclude: this comparison decided nothing yet (see the verdict's evidence)."
+    if m.get("text"):
+        text += f" The real run's margin: {m['text']}."
+    blocks.append(("p", text))
+    return blocks
+
+
 def _model_from_run_dir(run_dir: Path) -> tuple[str | None, int | None]:
     """("the tiny-cpu model (4 layers, width 256, 3.3 M weights)", tokens a step) from a run's
     config.toml, or (None, None) when it is absent or unreadable (the summary does without)."""
@@ -267,8 +324,9 @@ def _command(preset) -> str:
         else "flashguard"
 
 
-def summary_from_repro(repro: dict, lab: dict | None, out: Path | str) -> list[tuple]:
-    """The summary of a repro result (``run_repro``'s dict, repro.json) and its lab result."""
+def summary_from_repro(repro: dict, lab: dict | None, out: Path | str, injection: dict | None = None) -> list[tuple]:
+    """The summary of a repro result (``run_repro``'s dict, repro.json), its lab result and (the
+    demo) its injection result."""
     runs = [_Run(r.get("name", "?"), r.get("title", ""), r.get("summary") or {}) for r in repro.get("runs") or []]
     model, tps = (None, None)
     for r in repro.get("runs") or []:
@@ -276,7 +334,7 @@ def summary_from_repro(repro: dict, lab: dict | None, out: Path | str) -> list[t
         if model:
             break
     return build_summary(_Inputs(_command(repro.get("preset")), runs, list(repro.get("claims") or []),
-                                 repro.get("steps"), model, tps, lab))
+                                 repro.get("steps"), model, tps, lab, injection))
 
 
 def summary_from_study(study) -> list[tuple]:
@@ -293,7 +351,7 @@ def summary_from_study(study) -> list[tuple]:
     command = _command(study.meta.get("preset")) if study.kind == "repro" else \
         "`flashguard train`" if study.kind == "runs" else "`flashguard lab`"
     return build_summary(_Inputs(command, runs, list(study.claims), steps, model, tps,
-                                 study.lab.result if study.lab is not None else None))
+                                 study.lab.result if study.lab is not None else None, study.injection))
 
 
 def intro_text(steps: int, model: str = "the tiny-cpu model") -> str:

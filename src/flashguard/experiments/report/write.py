@@ -62,6 +62,26 @@ def _produced_by(study: Study) -> str:
     return text + f" Inputs: {sources}. Written by `flashguard report` on {when}."
 
 
+def _injection_section(inj: dict) -> list[Block]:
+    """The error-injection comparison (injection/injection.json): its verdicts and its runs."""
+    def peaks(d):
+        return ", ".join(f"{v:.3g}" for _, v in sorted((d or {}).items())) or "-"
+    rows = [[fmt(r.get("name")), fmt(r.get("seed")), fmt((r.get("summary") or {}).get("status")),
+             fmt((r.get("summary") or {}).get("diverged_at")), fmt((r.get("summary") or {}).get("final_loss")),
+             peaks(r.get("wq_norm_peak")), peaks(r.get("max_logit_peak"))] for r in inj.get("runs") or []]
+    claims = [[fmt(c.get("id")), fmt(c.get("title")), fmt(c.get("verdict")), fmt(c.get("evidence"))]
+              for c in inj.get("claims") or []]
+    out: list[Block] = [("h2", "Error injection: the causal comparison"),
+                        ("p", f"{inj.get('about', '')}. Divergence: {inj.get('divergence_rule', '?')}.")]
+    if claims:
+        out.append(("table", Table(["id", "claim", "verdict", "evidence"], claims, verdict_col=2)))
+    out.append(("table", Table(["run", "seed", "status", "diverged at", "final loss", "W_Q norm peak (per layer)",
+                                "max logit peak (per layer)"], rows)))
+    if (inj.get("margin") or {}).get("text"):
+        out.append(("p", f"Margin of the real run: {inj['margin']['text']}."))
+    return out
+
+
 RUN_COLUMNS = [("name", None), ("group", None), ("title", None), ("steps", "steps"), ("final loss", "final_loss"),
                ("min loss", "min_loss"), ("diverged at", "diverged_at"), ("max grad norm", "max_grad_norm"),
                ("status", "status")]
@@ -81,6 +101,8 @@ def build_document(study: Study, figures: list[Figure], skipped: list[str], lab_
                                          fmt(c.get("evidence"))] for c in study.claims], verdict_col=2)))
         else:
             doc.append(("p", "No claims: plain training runs (no repro.json), shown side by side."))
+        if study.injection is not None:
+            doc += _injection_section(study.injection)
         doc.append(("h2", "Runs"))
         rows = [[r.name, r.group, r.title] + [fmt(r.summary.get(k)) for _, k in RUN_COLUMNS[3:]] for r in study.runs]
         doc.append(("table", Table([c for c, _ in RUN_COLUMNS], rows)))
