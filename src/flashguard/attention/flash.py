@@ -12,6 +12,16 @@ Tensors are (B, H, T, D). ``q, k, v`` arrive already rounded to ``policy.inputs`
 Masks: ``keep`` is a boolean tensor broadcastable to (B, H, T_q, T_k), True where a key takes
 part; ``bias`` a float tensor added to the scores; ``causal`` is top-left aligned as in torch
 SDPA (query i sees keys j <= i).
+
+Dropout (``dropout``, a ``.dropout.TileDropout``; None = none): O = dropout(softmax(S)) V. Each
+tile's keep mask is regenerated from the call's seed (forward and backward compute the same
+bits). Forward: the dropped Pbar entries are zeroed before the PV product (the row sum l takes
+the undropped ones: the softmax is normalised before dropout), and O is scaled by 1 / (1 - p)
+once, after the division by l, as FA2 folds the scale into 1 / l. Backward, with Z = keep / (1 - p):
+dV = (P * Z)^T dO, dP = Z * (dO V^T) and dS = P * (dP - delta), where delta = rowsum(dO * O) of
+the dropped O equals rowsum(P * dP) as the softmax derivative needs (sum_j P_ij Z_ij
+(dO V^T)_ij = sum_d dO_id O_id), so the preprocess is unchanged. dV's 1 / (1 - p) is applied
+once to the finished accumulator, as O's is.
 """
 from __future__ import annotations
 
@@ -20,6 +30,7 @@ import torch
 from ..numerics.arith import cast, emulate, matmul, rowsum, storage_dtype
 from ..numerics.formats import FP32, FP64
 from ..numerics.policy import PrecisionPolicy
+from .dropout import TileDropout
 from .stabilizers import Stabilizer
 
 __all__ = ["flash_forward", "flash_backward", "delta_preprocess", "tile_ranges"]
@@ -105,13 +116,14 @@ def _scores(qi, kj, bias, q0, q1, k0, k1, scale, policy, softcap=None, want_tanh
 
 def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: PrecisionPolicy,
                   stabilizer: Stabilizer, block_q: int, block_k: int, keep_highp_o: bool = False,
-                  softcap: float | None = None, observe=None):
+                  softcap: float | None = None, observe=None, dropout: TileDropout | None = None):
     """Returns (o, lse, o_highp): O in ``policy.output`` storage (B, H, T_q, D_v), lse in
     ``policy.lse`` storage (B, H, T_q, 1), and a high-precision (fp32, or fp64) copy of O (or None).
 
     ``observe``, if given, is called once per visited tile as ``observe(tile, **values)`` with
     tile = (q0, q1, k0, k1) and the tile's ``s``, ``hidden``, ``row_max``, ``m_new``, ``pbar``
-    and ``pv``: the hook the diagnostics and the tests read the intermediates through."""
+    and ``pv``: the hook the diagnostics and the tests read the intermediates through (with
+    ``dropout``, ``pbar`` is the dropped one that enters PV)."""
     B, H, Tq, _ = q.shape
     Tk, Dv = k.shape[-2], v.shape[-1]
     stats, acc_fmt = policy.stats, policy.o_accum
@@ -164,6 +176,8 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
             tile_sum = rowsum(pbar if policy.row_sum_rounded else p_full, stats)
             if policy.row_sum_floor is not None:
                 tile_sum = _rounded(tile_sum.clamp_(min=policy.row_sum_floor), stats)
+            if dropout is not None and not fully_hidden:  # after l took the undropped row sum
+                pbar = torch.where(dropout.keep(q0, q1, k0, k1), pbar, 0.0)  # zeroing is exact in any format
             v_tile = v[..., k0:k1, :]
             if fully_hidden:
                 pv = torch.zeros((B, H, n, Dv), dtype=storage_dtype(policy.pv), device=q.device)
@@ -180,13 +194,19 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
                     acc_hp = acc_hp + matmul(pbar, v_tile, hp_fmt)
             m = m_new
         empty = l == 0  # every key masked: output 0 and lse = +inf (so that backward P = 0)
-        o = cast(acc / torch.where(empty, torch.ones_like(l), l), acc_fmt).masked_fill(empty, 0.0)
+        o = cast(acc / torch.where(empty, torch.ones_like(l), l), acc_fmt)
+        if dropout is not None:
+            o = cast(o * dropout.scale, acc_fmt)
+        o = o.masked_fill(empty, 0.0)
         o_tiles.append(cast(o, policy.output))
         lse = cast(cast(torch.log(l), policy.lse) + m, policy.lse)
         lse_tiles.append(lse.masked_fill(empty, float("inf")))
         if acc_hp is not None:
             lw = l.to(acc_hp.dtype)
-            hp_tiles.append((acc_hp / torch.where(empty, torch.ones_like(lw), lw)).masked_fill(empty, 0.0))
+            o_hp_i = acc_hp / torch.where(empty, torch.ones_like(lw), lw)
+            if dropout is not None:
+                o_hp_i = o_hp_i * dropout.scale
+            hp_tiles.append(o_hp_i.masked_fill(empty, 0.0))
     o_hp = torch.cat(hp_tiles, dim=-2) if keep_highp_o else None
     return torch.cat(o_tiles, dim=-2), torch.cat(lse_tiles, dim=-2), o_hp
 
@@ -213,9 +233,14 @@ def _rowsum_product(a, b, policy):
     return rowsum(cast(cast(a, fmt) * cast(b, fmt), fmt), policy.delta)
 
 
+def _dropped_dp(dp, keep, scale, policy):
+    """dP = Z * (dO V^T), Z = keep / (1 - p): the gradient reaching P through the dropout."""
+    return _rounded(torch.where(keep, dp * scale, 0.0), policy.dp)
+
+
 def delta_preprocess(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, scale: float,
                      policy: PrecisionPolicy, block_q: int, block_k: int, softcap: float | None = None,
-                     operand: "_Operands | None" = None):
+                     operand: "_Operands | None" = None, dropout: TileDropout | None = None):
     """FA2's backward preprocess, delta (B, H, T_q, 1) in the delta format, from the source the
     policy names: rowsum(dO * O) of the stored O ("o_lowp") or of the high-precision copy
     ("o_highp"), or rowsum(dP * P) over the key tiles ("dp_p"; equal in exact arithmetic).
@@ -238,6 +263,8 @@ def delta_preprocess(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, 
             p, _ = _p_tile(q_s[..., q0:q1, :], k_s[..., k0:k1, :], lse[..., q0:q1, :], hide, bias,
                            causal, q0, q1, k0, k1, scale, policy, softcap)
             dp = matmul(do_dp[..., q0:q1, :], v_dp[..., k0:k1, :].transpose(-2, -1), policy.dp)
+            if dropout is not None:
+                dp = _dropped_dp(dp, dropout.keep(q0, q1, k0, k1), dropout.scale, policy)
             part = _rowsum_product(dp, p, policy)
             d = part if d is None else cast(d + part, policy.delta)
         parts.append(d)
@@ -246,7 +273,7 @@ def delta_preprocess(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, 
 
 def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, scale: float,
                    policy: PrecisionPolicy, block_q: int, block_k: int, softcap: float | None = None,
-                   delta_hook=None):
+                   delta_hook=None, dropout: TileDropout | None = None):
     """Gradients (dq, dk, dv) in ``policy.grad_accum`` storage. ``do`` is rounded to inputs.
 
     ``delta_hook``, if given, replaces the preprocess's delta before dS uses it: called as
@@ -269,7 +296,8 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
 
     # --- preprocess: delta, (B, H, T_q, 1) in the delta format
     delta = delta_preprocess(q, k, v, o, lse, do, o_highp, keep=keep, bias=bias, causal=causal, scale=scale,
-                             policy=policy, block_q=block_q, block_k=block_k, softcap=softcap, operand=operand)
+                             policy=policy, block_q=block_q, block_k=block_k, softcap=softcap, operand=operand,
+                             dropout=dropout)
     if delta_hook is not None:
         delta = delta_hook(delta, q=q, k=k, v=v, do=do, keep=keep, bias=bias, causal=causal, scale=scale,
                            softcap=softcap)
@@ -295,8 +323,13 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
             p, dcap = _p_tile(q_s[..., q0:q1, :], k_s[..., k0:k1, :], lse[..., q0:q1, :], hide, bias, causal,
                               q0, q1, k0, k1, scale, policy, softcap)
             p_mm = _operand(cast(p, policy.pbar), policy.grad_partial)
+            if dropout is not None:
+                kt = dropout.keep(q0, q1, k0, k1)
+                p_mm = torch.where(kt, p_mm, 0.0)  # 1 / (1 - p) applied to the finished dV_j
             dv_j = accumulate(dv_j, matmul(p_mm.transpose(-2, -1), do_g[..., q0:q1, :], policy.grad_partial))
             dp = matmul(do_dp[..., q0:q1, :], v_dp[..., k0:k1, :].transpose(-2, -1), policy.dp)
+            if dropout is not None:
+                dp = _dropped_dp(dp, kt, dropout.scale, policy)
             # dS = (P * scale) * (dP - delta), each op rounded to the p format, in place
             dp_minus = cast(_rounded(dp.sub_(delta[..., q0:q1, :]), policy.dp), policy.p)
             ds = _rounded(_rounded(p.mul_(scale), policy.p).mul_(dp_minus), policy.p)
@@ -306,5 +339,7 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
             dq_tiles[i] = accumulate(dq_tiles[i], matmul(ds, k_g[..., k0:k1, :], policy.grad_partial))
             dk_j = accumulate(dk_j, matmul(ds.transpose(-2, -1), q_g[..., q0:q1, :], policy.grad_partial))
         dk_tiles.append(dk_j)
+        if dropout is not None:
+            dv_j = cast(dv_j * dropout.scale, acc)
         dv_tiles.append(dv_j)
     return torch.cat(dq_tiles, dim=-2), torch.cat(dk_tiles, dim=-2), torch.cat(dv_tiles, dim=-2)

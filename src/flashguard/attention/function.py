@@ -3,6 +3,16 @@
 NaN / Inf inputs propagate as in torch SDPA: a NaN anywhere in a row's scores or in a V row
 that row attends to gives NaN in that output row (and in the gradients it reaches).
 Fully masked rows give 0 (SDPA's math backend gives NaN there; flash kernels give 0).
+
+The PyTorch implementation runs as an autograd.Function in eager mode and, while torch.compile
+traces a model, as the torch custom operators of ``.ops`` (opaque to the compiler, so
+``torch.compile(model, fullgraph=True)`` captures it). Both call the same flash_forward /
+flash_backward with the same arguments, so compiled and eager numbers are bit-identical; eager
+keeps the Function because the operators' dispatch costs about 0.5 ms a call, noticeable on
+small CPU models. ``flash_attention_with_delta_hook`` (a Python callable in backward, which an
+operator cannot take) always runs as the Function.
+``dropout_p > 0`` drops attention probabilities as SDPA does (``.dropout``: a counter-based
+mask, regenerated in backward, seeded from torch's default generator).
 """
 from __future__ import annotations
 
@@ -15,7 +25,9 @@ import torch.nn.functional as F
 
 from ..numerics.arith import cast, rounding
 from ..numerics.policy import PrecisionPolicy, get_policy
+from .dropout import TileDropout, check_dropout_p, draw_seed
 from .flash import flash_backward, flash_forward
+from .ops import encode_policy, encode_stabilizer, flash_attention_op
 from .stabilizers import Stabilizer, get_stabilizer
 from .triton_flash import triton_available, triton_flash_attention, triton_unsupported
 
@@ -34,28 +46,31 @@ KERNEL_BACKENDS = ("auto", "pytorch", "triton")
 
 
 class _FlashAttentionFn(torch.autograd.Function):
+    """The eager path (and the delta-hook path): what the operators of .ops compute."""
+
     @staticmethod
     def forward(ctx, q, k, v, keep, bias, causal, scale, policy, stabilizer, block_q, block_k, softcap,
-                delta_hook=None):
+                delta_hook, dropout):
         with torch.autocast(q.device.type, enabled=False), rounding(policy.rounding):
             qc, kc, vc = (cast(t.detach(), policy.inputs) for t in (q, k, v))
             o, lse, o_hp = flash_forward(
                 qc, kc, vc, keep=keep, bias=bias, causal=causal, scale=scale, policy=policy,
                 stabilizer=stabilizer, block_q=block_q, block_k=block_k,
-                keep_highp_o=policy.delta_source == "o_highp", softcap=softcap)
+                keep_highp_o=policy.delta_source == "o_highp", softcap=softcap, dropout=dropout)
         ctx.save_for_backward(qc, kc, vc, o, lse, o_hp, keep, bias)
-        ctx.meta = (causal, scale, policy, block_q, block_k, softcap, q.dtype, k.dtype, v.dtype, delta_hook)
+        ctx.meta = (causal, scale, policy, block_q, block_k, softcap, q.dtype, k.dtype, v.dtype, delta_hook, dropout)
         return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
         qc, kc, vc, o, lse, o_hp, keep, bias = ctx.saved_tensors
-        causal, scale, policy, block_q, block_k, softcap, qdt, kdt, vdt, delta_hook = ctx.meta
+        causal, scale, policy, block_q, block_k, softcap, qdt, kdt, vdt, delta_hook, dropout = ctx.meta
         with torch.autocast(do.device.type, enabled=False), rounding(policy.rounding):
             dq, dk, dv = flash_backward(
                 qc, kc, vc, o, lse, do, o_hp, keep=keep, bias=bias, causal=causal, scale=scale,
-                policy=policy, block_q=block_q, block_k=block_k, softcap=softcap, delta_hook=delta_hook)
-        return dq.to(qdt), dk.to(kdt), dv.to(vdt), None, None, None, None, None, None, None, None, None, None
+                policy=policy, block_q=block_q, block_k=block_k, softcap=softcap, delta_hook=delta_hook,
+                dropout=dropout)
+        return (dq.to(qdt), dk.to(kdt), dv.to(vdt)) + (None,) * 11
 
 
 def _check_block(name, value):
@@ -113,7 +128,7 @@ def _check_backend(backend):
 
 
 def choose_backend(q, k, v, *, attn_mask=None, precision="fa2", stabilizer="none", block_q=None,
-                   block_k=None, softcap=None, backend="auto") -> str:
+                   block_k=None, softcap=None, backend="auto", dropout_p=0.0) -> str:
     """The implementation ``flash_attention`` runs for these arguments: "pytorch" or "triton"."""
     _check_backend(backend)
     if backend != "auto":
@@ -121,7 +136,7 @@ def choose_backend(q, k, v, *, attn_mask=None, precision="fa2", stabilizer="none
     if not q.is_cuda or not triton_available():
         return "pytorch"
     reason = triton_unsupported(q, k, v, attn_mask=attn_mask, softcap=softcap, precision=precision,
-                                stabilizer=stabilizer, block_q=block_q, block_k=block_k)
+                                stabilizer=stabilizer, block_q=block_q, block_k=block_k, dropout_p=dropout_p)
     return "pytorch" if reason else "triton"
 
 
@@ -129,7 +144,7 @@ def flash_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
                     precision: "str | PrecisionPolicy" = "fa2",
                     stabilizer: "str | Stabilizer" = "none",
                     block_q: int | None = None, block_k: int | None = None,
-                    softcap: float | None = None, backend: str = "auto") -> torch.Tensor:
+                    softcap: float | None = None, backend: str = "auto", dropout_p: float = 0.0) -> torch.Tensor:
     """Flash attention with a chosen arithmetic.
 
     q: (B, H, T_q, D), k: (B, H, T_k, D), v: (B, H, T_k, D_v) -> (B, H, T_q, D_v) in q's dtype.
@@ -145,17 +160,21 @@ def flash_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
     ``fp32`` - without attn_mask or softcap; tiles ``block_q`` / ``block_k`` powers of two in
     [16, 128], None = the kernels' own; NotImplementedError otherwise) or ``"auto"`` (triton
     when q is on CUDA, triton imports and the call is supported, else pytorch).
+    ``dropout_p``: attention dropout as SDPA's, O = dropout(softmax(S)) V with kept probabilities
+    scaled by 1 / (1 - p); applied whenever > 0, so pass 0 when not training (as with SDPA). The
+    mask is a hash of (seed, batch, head, row, column), regenerated in backward; the seed is drawn
+    from torch's default generator at each call (``torch.manual_seed`` reproduces it).
     """
     return _flash_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, precision=precision,
                             stabilizer=stabilizer, block_q=block_q, block_k=block_k, softcap=softcap,
-                            backend=backend, delta_hook=None)
+                            backend=backend, delta_hook=None, dropout_p=dropout_p)
 
 
 def flash_attention_with_delta_hook(q, k, v, *, delta_hook, attn_mask=None, is_causal=False, scale=None,
                                     precision: "str | PrecisionPolicy" = "fa2",
                                     stabilizer: "str | Stabilizer" = "none",
                                     block_q: int | None = None, block_k: int | None = None,
-                                    softcap: float | None = None) -> torch.Tensor:
+                                    softcap: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """``flash_attention`` (PyTorch backend) whose backward pass hands its delta to ``delta_hook``
     and uses the delta it returns (see ``flash.flash_backward``): the error-injection experiment's
     entry (flashguard.attention.injection.DeltaHook), reached from a model layer whose
@@ -164,35 +183,64 @@ def flash_attention_with_delta_hook(q, k, v, *, delta_hook, attn_mask=None, is_c
         raise TypeError(f"delta_hook must be callable, got {type(delta_hook).__name__}")
     return _flash_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, precision=precision,
                             stabilizer=stabilizer, block_q=block_q, block_k=block_k, softcap=softcap,
-                            backend="pytorch", delta_hook=delta_hook)
+                            backend="pytorch", delta_hook=delta_hook, dropout_p=dropout_p)
+
+
+@torch.compiler.assume_constant_result
+def _option_keys(precision, stabilizer) -> tuple[str, str]:
+    """The operators' strings for these options, validated. Run by torch.compile at trace time
+    as a constant: resolving and encoding a policy (string parsing, dataclasses.fields) is
+    Python that dynamo does not trace."""
+    return encode_policy(get_policy(precision)), encode_stabilizer(get_stabilizer(stabilizer))
 
 
 def _flash_attention(q, k, v, *, attn_mask, is_causal, scale, precision, stabilizer, block_q, block_k, softcap,
-                     backend, delta_hook):
+                     backend, delta_hook, dropout_p=0.0):
     _check_inputs(q, k, v, attn_mask)
-    policy = get_policy(precision)
-    stab = get_stabilizer(stabilizer)
+    compiling = delta_hook is None and torch.compiler.is_compiling()
+    if compiling:
+        keys = _option_keys(precision, stabilizer)
+        # The Triton kernels are not captured by torch.compile yet: "auto" runs the PyTorch
+        # operators there, and an explicit "triton" is refused.
+        if _check_backend(backend) == "triton":
+            raise NotImplementedError("torch.compile: backend='triton' is not supported under torch.compile "
+                                      "(use backend='pytorch' or 'auto', which compile the PyTorch kernel)")
+        which = "pytorch"
+    else:
+        policy = get_policy(precision)
+        stab = get_stabilizer(stabilizer)
+    dropout_p = check_dropout_p(dropout_p)
     tiles = _check_block("block_q", block_q), _check_block("block_k", block_k)
-    which = choose_backend(q, k, v, attn_mask=attn_mask, precision=policy, stabilizer=stab, block_q=block_q,
-                           block_k=block_k, softcap=softcap, backend=backend)
+    if not compiling:
+        which = choose_backend(q, k, v, attn_mask=attn_mask, precision=policy, stabilizer=stab, block_q=block_q,
+                               block_k=block_k, softcap=softcap, backend=backend, dropout_p=dropout_p)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not softcap > 0):
         raise ValueError(f"softcap must be a positive float or None, got {softcap!r}")
+    # drawn only when used, so that dropout_p=0 leaves the generator where it was
+    seed = draw_seed() if dropout_p > 0 else None
     if which == "triton":
         return triton_flash_attention(q, k, v, is_causal=bool(is_causal), scale=float(scale), stabilizer=stab,
                                       precision=policy, attn_mask=attn_mask, softcap=softcap,
-                                      block_m=block_q, block_n=block_k)  # None: the kernels' tiles
+                                      block_m=block_q, block_n=block_k,  # None: the kernels' tiles
+                                      dropout_p=dropout_p, dropout_seed=seed)
     keep = bias = None
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             keep = attn_mask
         else:
             bias = attn_mask.detach()
+    softcap = None if softcap is None else float(softcap)
+    if compiling:
+        return flash_attention_op(q, k, v, keep=keep, bias=bias, seed=seed, causal=bool(is_causal),
+                                  scale=float(scale), precision=keys[0], stabilizer=keys[1], block_q=tiles[0],
+                                  block_k=tiles[1], softcap=softcap, dropout_p=dropout_p)
+    dropout = None if seed is None else TileDropout(seed, dropout_p, q.shape[0], q.shape[1], q.shape[2], q.device)
     return _FlashAttentionFn.apply(q, k, v, keep, bias, bool(is_causal), float(scale), policy, stab,
-                                   *tiles, None if softcap is None else float(softcap), delta_hook)
+                                   *tiles, softcap, delta_hook, dropout)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -201,9 +249,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Accepts SDPA's (..., L, E) inputs with any number of leading dims and ``enable_gqa``;
     ``options`` are ``flash_attention``'s (precision, stabilizer, block_q, block_k, softcap, backend).
+    ``dropout_p`` as SDPA's (applied whenever > 0; see ``flash_attention``).
     """
-    if dropout_p:
-        raise NotImplementedError(f"flashguard attention has no dropout; got dropout_p={dropout_p}")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -217,14 +264,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         m4 = None
         if attn_mask is not None:
             m4 = attn_mask.expand(*lead, query.shape[-2], key.shape[-2]).reshape(-1, 1, query.shape[-2], key.shape[-2])
-        out = flash_attention(q4, k4, v4, attn_mask=m4, is_causal=is_causal, scale=scale, **options)
+        out = flash_attention(q4, k4, v4, attn_mask=m4, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                              **options)
         return out.reshape(*lead, *out.shape[-2:])
     if enable_gqa and key.shape[1] != query.shape[1]:
         if query.shape[1] % key.shape[1]:
             raise ValueError(f"enable_gqa: query heads {query.shape[1]} not a multiple of key heads {key.shape[1]}")
         rep = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-    return flash_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **options)
+    return flash_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                           dropout_p=dropout_p, **options)
 
 
 @contextlib.contextmanager

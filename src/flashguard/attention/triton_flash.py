@@ -108,7 +108,7 @@ def _block(name, value):
 
 
 def triton_unsupported_settings(*, precision="fa2", stabilizer="none", block_q=None, block_k=None, attn_mask=None,
-                                softcap=None) -> str | None:
+                                softcap=None, dropout_p=0.0) -> str | None:
     """Why the triton backend cannot run these settings, whatever the tensors (None when it can):
     masks, soft-capping, a policy that is not fa2-structured, a stabilizer it lacks, tiles that are
     not powers of two in [16, 128]. A model layer checks its AttentionSpec with it."""
@@ -116,6 +116,8 @@ def triton_unsupported_settings(*, precision="fa2", stabilizer="none", block_q=N
         return "attn_mask (the triton backend supports is_causal only)"
     if softcap is not None:
         return "softcap (not implemented in the triton backend)"
+    if dropout_p:
+        return f"dropout_p={dropout_p!r} (not implemented in the triton backend; backend='pytorch' has it)"
     reason = fa2_structured(get_policy(precision))
     if reason:
         return reason
@@ -142,11 +144,12 @@ def triton_device_problem(device) -> str | None:
 
 
 def triton_unsupported(q, k, v, *, attn_mask=None, softcap=None, precision="fa2", stabilizer="none",
-                       block_q=None, block_k=None, need_device=True) -> str | None:
+                       block_q=None, block_k=None, need_device=True, dropout_p=0.0) -> str | None:
     """Why the triton backend cannot run this call (None when it can). ``need_device``: also
     require CUDA tensors (or the interpreter) and an importable triton."""
     reason = triton_unsupported_settings(precision=precision, stabilizer=stabilizer, block_q=block_q,
-                                         block_k=block_k, attn_mask=attn_mask, softcap=softcap)
+                                         block_k=block_k, attn_mask=attn_mask, softcap=softcap,
+                                         dropout_p=dropout_p)
     if reason:
         return reason
     if 0 in (*q.shape, *k.shape, *v.shape):
@@ -316,7 +319,8 @@ class _TritonFlashFn(torch.autograd.Function):
 def triton_flash_attention(q, k, v, *, is_causal: bool = False, scale: float | None = None,
                            stabilizer: "str | Stabilizer" = "none", precision: "str | PrecisionPolicy | None" = None,
                            attn_mask=None, softcap=None, block_m: int | None = None,
-                           block_n: int | None = None) -> torch.Tensor:
+                           block_n: int | None = None, dropout_p: float = 0.0,
+                           dropout_seed: torch.Tensor | None = None) -> torch.Tensor:
     """Flash attention of (B, H, T_q, D), (B, H, T_k, D), (B, H, T_k, D_v) tensors in Triton.
 
     ``precision``: None = the fa2 arithmetic in q's dtype (bf16, fp16 or fp32); or an
@@ -332,6 +336,9 @@ def triton_flash_attention(q, k, v, *, is_causal: bool = False, scale: float | N
         raise NotImplementedError("triton backend: attn_mask is not supported (use is_causal, or backend='pytorch')")
     if softcap is not None:
         raise NotImplementedError("triton backend: softcap is not supported (use backend='pytorch')")
+    if dropout_p:
+        raise NotImplementedError(f"triton backend: dropout_p={dropout_p!r} is not supported (use backend='pytorch', "
+                                  "whose tiles apply the same counter-based dropout)")
     if precision is None:
         names = {v_: k_ for k_, v_ in _DTYPES.items()}
         if q.dtype not in names:
