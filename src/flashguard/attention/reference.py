@@ -31,12 +31,17 @@ def reference_attention(
     dtype: torch.dtype = torch.float64,
     return_lse: bool = False,
     softcap: float | None = None,
+    dropout_keep: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ):
     """softmax(q k^T * scale + mask) v computed in ``dtype`` (fp64 by default).
 
     q: (..., T_q, D), k: (..., T_k, D), v: (..., T_k, D_v). Returns (..., T_q, D_v) in ``dtype``
     (and the row log-sum-exp (..., T_q) if ``return_lse``). Differentiable. ``softcap``
     replaces the scores by softcap * tanh(scores / softcap) before masking.
+    ``dropout_keep`` (bool, broadcastable to (..., T_q, T_k); True = kept) applies an explicit
+    dropout mask after normalisation, O = (softmax * keep / (1 - dropout_p)) v, as SDPA's dropout
+    does: the tests pass the mask flashguard's dropout regenerates (attention.dropout).
     """
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -58,6 +63,8 @@ def reference_attention(
     p = torch.exp(s - m)
     l = p.sum(dim=-1, keepdim=True)
     empty = l == 0
+    if dropout_keep is not None:  # the row sum l stays the undropped one: dropout follows the softmax
+        p = p * (dropout_keep.to(dtype) * (0.0 if dropout_p >= 1 else 1.0 / (1.0 - dropout_p)))
     o = (p @ v) / torch.where(empty, torch.ones_like(l), l)
     o = o.masked_fill(empty, 0.0)
     if return_lse:
