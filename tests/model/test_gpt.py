@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from flashguard.attention import flash_attention, reference_attention
 from flashguard.model import GPT, AttentionSpec, GPTConfig, MODEL_PRESETS, layer_specs, model_config
-from flashguard.model import gpt as gpt_module
+from flashguard.model import attention as attention_module
 
 MICRO = model_config("micro")
 
@@ -136,7 +136,7 @@ BACKEND_SPECS = {
     "sdpa": AttentionSpec("sdpa"),
     "flash-fp32": AttentionSpec("flash", precision="fp32"),
     "flash-fp32-tiled": AttentionSpec("flash", precision="fp32", block_q=16, block_k=32),
-    "reference": AttentionSpec("reference"),
+    "math": AttentionSpec("math"),
 }
 
 
@@ -175,7 +175,7 @@ def test_flash_paper_under_bf16_autocast():
     assert abs(loss.item() - fp32_loss.item()) < 0.05
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
 def test_other_backends_under_bf16_autocast(backend):
     model = make(dataclasses.replace(MICRO, qk_layernorm=True), AttentionSpec(backend))
     idx, tgt = batch()
@@ -185,15 +185,15 @@ def test_other_backends_under_bf16_autocast(backend):
     assert torch.isfinite(loss)
 
 
-def test_reference_backend_is_fp32_math_under_autocast(monkeypatch):
+def test_math_backend_is_fp32_math_under_autocast(monkeypatch):
     seen = []
 
     def spy(q, k, v, **kw):
         seen.append((torch.is_autocast_enabled("cpu"), kw["dtype"]))
         return reference_attention(q, k, v, **kw)
 
-    monkeypatch.setattr(gpt_module, "reference_attention", spy)
-    model = make(attention=AttentionSpec("reference"))
+    monkeypatch.setattr(attention_module, "reference_attention", spy)
+    model = make(attention=AttentionSpec("math"))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits, _ = model(batch()[0])
     assert seen == [(False, torch.float32)] * MICRO.n_layer
@@ -223,9 +223,9 @@ def test_layer_specs_helper():
     assert len(specs) == 12 and specs[0] == default and specs[2:] == [default] * 10
     assert specs[1] == AttentionSpec("flash", precision="paper")
     flash = AttentionSpec("flash", precision="paper", stabilizer="safe")
-    specs = layer_specs(flash, {"1": {"precision": "fp32"}, 3: AttentionSpec("reference")}, 4)
+    specs = layer_specs(flash, {"1": {"precision": "fp32"}, 3: AttentionSpec("math")}, 4)
     assert specs[1] == AttentionSpec("flash", precision="fp32", stabilizer="safe")
-    assert specs[3] == AttentionSpec("reference") and specs[0] == specs[2] == flash
+    assert specs[3] == AttentionSpec("math") and specs[0] == specs[2] == flash
     assert layer_specs(flash, None, 2) == [flash, flash] == layer_specs(flash, {}, 2)
 
 
@@ -263,6 +263,27 @@ def test_attention_spec_validation_and_names():
     spec = AttentionSpec("flash", precision=get_policy("fa2").replace(delta_source="dp_p"),
                          stabilizer=get_stabilizer("paper:beta=7"))
     assert spec.short_str().startswith("flash[fa2[delta_source=dp_p]")
+
+
+def test_backend_reference_is_the_deprecated_name_of_math():
+    """The fp32 math backend was called "reference": that name still builds the same spec, with a
+    DeprecationWarning naming the new one, wherever a spec is made (construction, replace,
+    per-layer changes), and the model computes bit for bit what "math" computes."""
+    from flashguard.model import BACKENDS
+    assert BACKENDS == ("sdpa", "flash", "math")
+    with pytest.warns(DeprecationWarning, match=r"'reference' is now called 'math'.*backend = 'math'"):
+        old = AttentionSpec("reference")
+    assert old == AttentionSpec("math") and old.backend == "math" and old.short_str() == "math"
+    with pytest.warns(DeprecationWarning, match="'math'"):
+        assert dataclasses.replace(AttentionSpec("sdpa"), backend="reference") == AttentionSpec("math")
+    with pytest.warns(DeprecationWarning, match="'math'"):
+        specs = layer_specs(AttentionSpec("sdpa"), {1: {"backend": "reference"}}, 2)
+    assert specs == [AttentionSpec("sdpa"), AttentionSpec("math")]
+    with pytest.warns(DeprecationWarning):
+        logits, loss, grads = run_with(AttentionSpec("reference"))
+    new_logits, new_loss, new_grads = run_with(AttentionSpec("math"))
+    assert torch.equal(logits, new_logits) and torch.equal(loss, new_loss)
+    assert all(torch.equal(grads[n], new_grads[n]) for n in grads)
 
 
 # ---- loss terms and remedies ----------------------------------------------------------------
@@ -326,7 +347,7 @@ def uniform_causal_output(attn, x):
     return attn.c_proj(v.cumsum(dim=1) / counts)              # (B, T, C)
 
 
-@pytest.mark.parametrize("spec", [AttentionSpec("sdpa"), AttentionSpec("reference"),
+@pytest.mark.parametrize("spec", [AttentionSpec("sdpa"), AttentionSpec("math"),
                                   AttentionSpec("flash", precision="fp32")], ids=lambda s: s.short_str())
 def test_softcap_tiny_cap_gives_uniform_attention(spec):
     cfg = dataclasses.replace(MICRO, attn_softcap=1e-5)
@@ -344,11 +365,11 @@ def test_softcap_tiny_cap_gives_uniform_attention(spec):
 
 def test_softcap_backends_agree_and_sdpa_falls_back():
     cfg = dataclasses.replace(MICRO, attn_softcap=0.02)  # scores at init are ~0.03: the cap bites
-    base = run_with(AttentionSpec("reference"), cfg)
+    base = run_with(AttentionSpec("math"), cfg)
     for spec in (AttentionSpec("sdpa"), AttentionSpec("flash", precision="fp32")):
         logits, loss, _ = run_with(spec, cfg)
         torch.testing.assert_close(logits, base[0], rtol=0, atol=1e-5)
-    assert make(cfg).transformer.h[0].attn.effective_backend == "reference"
+    assert make(cfg).transformer.h[0].attn.effective_backend == "math"
     assert not torch.allclose(run_with(AttentionSpec("sdpa"))[0], base[0], atol=1e-4)
 
 
@@ -370,11 +391,11 @@ def test_softcap_is_passed_to_the_attention(monkeypatch):
         calls.append(("flash", softcap, kw["precision"]))
         return capped_math(q, k, v, torch.float32, softcap).to(q.dtype)
 
-    monkeypatch.setattr(gpt_module, "reference_attention", fake_reference)
-    monkeypatch.setattr(gpt_module, "flash_attention", fake_flash)
+    monkeypatch.setattr(attention_module, "reference_attention", fake_reference)
+    monkeypatch.setattr(attention_module, "flash_attention", fake_flash)
     cfg = dataclasses.replace(MICRO, attn_softcap=1e-5, n_layer=3)
-    model = make(cfg, [AttentionSpec("sdpa"), AttentionSpec("reference"), AttentionSpec("flash", precision="paper")])
-    assert [b.attn.effective_backend for b in model.transformer.h] == ["reference", "reference", "flash"]
+    model = make(cfg, [AttentionSpec("sdpa"), AttentionSpec("math"), AttentionSpec("flash", precision="paper")])
+    assert [b.attn.effective_backend for b in model.transformer.h] == ["math", "math", "flash"]
     model(batch(cfg)[0])
     assert calls == [("reference", 1e-5, torch.float32)] * 2 + [("flash", 1e-5, "paper")]
     attn = model.transformer.h[0].attn
@@ -496,7 +517,6 @@ def test_attention_spec_kernel_is_checked_and_reaches_flash_attention(monkeypatc
     """The spec's kernel (flash_attention's backend=) and tiles go to the call; triton is refused
     for settings it cannot run, by field (SpecError.field), and under soft-capping."""
     from flashguard.model import KERNELS, SpecError
-    import flashguard.model.gpt as gpt
     assert KERNELS == ("auto", "pytorch", "triton") and AttentionSpec().kernel == "auto"
     with pytest.raises(SpecError, match="unknown kernel 'cuda'") as e:
         AttentionSpec("flash", kernel="cuda")
@@ -514,12 +534,12 @@ def test_attention_spec_kernel_is_checked_and_reaches_flash_attention(monkeypatc
     with pytest.raises(SpecError, match=r"\['kernel'\] only apply to the flash backend"):
         AttentionSpec("sdpa").with_changes({"kernel": "pytorch"})
     seen = {}
-    real = gpt.flash_attention
+    real = attention_module.flash_attention
 
     def spy(*a, **kw):
         seen.update(kw)
         return real(*a, **{**kw, "backend": "pytorch"})
-    monkeypatch.setattr(gpt, "flash_attention", spy)
+    monkeypatch.setattr(attention_module, "flash_attention", spy)
     model = GPT(MICRO, AttentionSpec("flash", precision="fp32", kernel="pytorch", block_q=8, block_k=16))
     model(torch.randint(0, MICRO.vocab_size, (1, 16)))
     assert (seen["backend"], seen["block_q"], seen["block_k"]) == ("pytorch", 8, 16)

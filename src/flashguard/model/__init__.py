@@ -1,6 +1,11 @@
-"""nanoGPT-style GPT-2 whose attention backend and precision are chosen per layer."""
-from .gpt import (BACKENDS, GPT, KERNELS, AttentionSpec, Block, CausalSelfAttention, GPTConfig, MLP, SpecError,
-                  layer_specs)
+"""nanoGPT-style GPT-2 whose attention backend and precision are chosen per layer.
+
+``gpt`` holds the model (GPTConfig, the blocks, GPT), ``attention`` which attention a layer runs
+(AttentionSpec and its backends), ``heads`` the per-head weight views the probes read,
+``presets`` the named shapes.
+"""
+from .attention import BACKENDS, KERNELS, AttentionSpec, SpecError, layer_specs
+from .gpt import GPT, MLP, Block, CausalSelfAttention, GPTConfig
 from .presets import MODEL_PRESETS, model_config
 
 __all__ = ["GPT", "GPTConfig", "AttentionSpec", "SpecError", "BACKENDS", "KERNELS", "layer_specs", "MODEL_PRESETS",

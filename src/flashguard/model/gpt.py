@@ -1,62 +1,38 @@
-"""A GPT-2 language model whose attention arithmetic is chosen per layer.
+"""A GPT-2 language model whose attention is chosen per layer.
 
-Reads top to bottom: configuration (GPTConfig), attention choice (AttentionSpec, layer_specs),
-the modules (CausalSelfAttention, MLP, Block), the model (GPT). Shapes in comments use
-B = batch, T = sequence length, C = n_embd, H = n_head, D = head_dim = C // H, V = vocab_size.
+Reads top to bottom: configuration (GPTConfig), the modules (CausalSelfAttention, MLP, Block),
+the model (GPT). Which attention a layer runs, and the call into flashguard.attention, is
+``.attention`` (AttentionSpec, backends sdpa | flash | math); the per-head weight views the
+probes read are ``.heads``. Shapes in comments use B = batch, T = sequence length, C = n_embd,
+H = n_head, D = head_dim = C // H, V = vocab_size.
 
 Conventions shared with nanoGPT, so checkpoints map one to one: module names
 ``transformer.{wte,wpe,h.<i>.{ln_1,attn.c_attn,attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj},ln_f}``
 and ``lm_head`` (tied to ``transformer.wte``); targets equal to -1 are ignored by the loss.
 
-Attention backends (AttentionSpec.backend):
-
-* ``sdpa``       torch.nn.functional.scaled_dot_product_attention (whatever kernel torch picks).
-* ``flash``      flashguard's flash_attention with a PrecisionPolicy and a stabilizer: the
-                 study's object, emulating a chosen low-precision FA2 arithmetic; its
-                 ``kernel`` (auto | pytorch | triton) and tiles say which implementation runs it.
-* ``reference``  flashguard's reference_attention in fp32 (autocast disabled inside), cast back
-                 to the input dtype: "standard attention in high precision".
-
-Attention-logit soft-capping (GPTConfig.attn_softcap) replaces the scores S by
-cap * tanh(S / cap) before the mask and the softmax. torch SDPA cannot do this, so a layer
-whose backend is ``sdpa`` uses the ``reference`` math instead when a cap is set.
-
-There is no dropout on the attention probabilities (flash and reference have none, and
-backends must stay comparable); ``dropout`` applies to the embeddings and to both residual
-branches, as in GPT-2. The study trains with dropout 0.
+``dropout`` applies to the embeddings and to both residual branches, as in GPT-2, and not to
+the attention probabilities (.attention says why). The study trains with dropout 0.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..attention import flash_attention, get_stabilizer, reference_attention
-from ..attention.function import KERNEL_BACKENDS, choose_backend, flash_attention_with_delta_hook
-from ..attention.stabilizers import Stabilizer
-from ..attention.triton_flash import triton_unsupported_settings
-from ..numerics.policy import PrecisionPolicy, get_policy
+from .attention import AttentionSpec, attend, check_layer_spec, effective_backend
+from .checks import is_int, is_real
+from .heads import HeadWeights
 
-__all__ = ["GPTConfig", "AttentionSpec", "SpecError", "BACKENDS", "KERNELS", "layer_specs", "CausalSelfAttention", "MLP",
-           "Block", "GPT"]
+__all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT"]
 
 
 # --------------------------------------------------------------------------------------------
 # configuration
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -76,7 +52,7 @@ class GPTConfig:
     def __post_init__(self):
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be an integer >= 1, got {value!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by "
@@ -84,12 +60,12 @@ class GPTConfig:
         for name in ("bias", "qk_layernorm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if not _is_real(self.dropout) or not 0.0 <= self.dropout < 1.0:
+        if not is_real(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be a number in [0, 1), got {self.dropout!r}")
         cap = self.attn_softcap
-        if cap is not None and (not _is_real(cap) or not math.isfinite(cap) or cap <= 0):
+        if cap is not None and (not is_real(cap) or not math.isfinite(cap) or cap <= 0):
             raise ValueError(f"GPTConfig.attn_softcap must be None or a finite number > 0, got {cap!r}")
-        if not _is_real(self.z_loss) or not math.isfinite(self.z_loss) or self.z_loss < 0:
+        if not is_real(self.z_loss) or not math.isfinite(self.z_loss) or self.z_loss < 0:
             raise ValueError(f"GPTConfig.z_loss must be a finite number >= 0, got {self.z_loss!r}")
 
     @property
@@ -98,177 +74,6 @@ class GPTConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-# --------------------------------------------------------------------------------------------
-# which attention each layer runs
-
-BACKENDS = ("sdpa", "flash", "reference")
-KERNELS = KERNEL_BACKENDS  # which implementation runs a flash layer: flash_attention's backend= (auto | pytorch | triton)
-
-# field metadata: "flash" = used by the flash backend only; "setting" = False for a field that is
-# not a configuration value (the injection's hook, set by code)
-_FLASH = {"flash": True}
-
-
-class SpecError(ValueError):
-    """A bad AttentionSpec value; ``field`` names it (a config names it by its own key)."""
-
-    def __init__(self, field_name: str, problem: str):
-        super().__init__(f"AttentionSpec.{field_name}: {problem}")
-        self.field, self.problem = field_name, problem
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """How one layer computes attention: the one definition of the attention choice (a training
-    config's [attention] section holds one and names its keys after these fields).
-
-    ``precision`` (a flashguard preset name or a PrecisionPolicy), ``stabilizer`` (``none``,
-    ``paper``, ``paper:beta=7``, ``safe`` or a Stabilizer), the tile sizes ``block_q`` /
-    ``block_k`` (None = the kernel's default: 512 on the PyTorch path, the Triton kernels' own)
-    and ``kernel`` (flash_attention's backend: ``auto`` = Triton on CUDA when it supports the
-    call, else PyTorch; ``pytorch``; ``triton``, refused here for settings it cannot run) are
-    used by the ``flash`` backend only, and so is ``delta_hook``: a callable the layer's
-    backward pass hands its delta to and takes the delta to use from (the error-injection
-    experiment, flashguard.attention.injection; the PyTorch kernel then runs, so ``kernel``
-    may not be ``triton``).
-    """
-
-    backend: str = "sdpa"
-    precision: str | PrecisionPolicy = dataclasses.field(default="fa2", metadata=_FLASH)
-    stabilizer: str | Stabilizer = dataclasses.field(default="none", metadata=_FLASH)
-    block_q: int | None = dataclasses.field(default=None, metadata=_FLASH)
-    block_k: int | None = dataclasses.field(default=None, metadata=_FLASH)
-    kernel: str = dataclasses.field(default="auto", metadata=_FLASH)
-    delta_hook: Callable | None = dataclasses.field(default=None, metadata={"flash": True, "setting": False})
-
-    def __post_init__(self):
-        for name in FIELDS:
-            problem = _field_problem(name, getattr(self, name))
-            if problem:
-                raise SpecError(name, problem)
-        if self.delta_hook is not None and self.backend != "flash":
-            raise SpecError("delta_hook", f"applies to the flash backend only, not {self.backend!r}")
-        if self.backend == "flash" and self.kernel == "triton":
-            if self.delta_hook is not None:
-                raise SpecError("kernel", "the injection's delta hook runs on the pytorch kernel, not triton")
-            reason = triton_unsupported_settings(precision=self.precision, stabilizer=self.stabilizer,
-                                                 block_q=self.block_q, block_k=self.block_k)
-            if reason:
-                raise SpecError("kernel", f"the triton kernel cannot run {reason}")
-
-    def with_changes(self, change: Mapping[str, Any]) -> "AttentionSpec":
-        """This spec with the fields in ``change`` set (SpecError for an unknown field, a bad value,
-        or a flash-only field set where the backend is not flash: it would be silently ignored)."""
-        unknown = sorted(set(change) - set(FIELDS))
-        if unknown:
-            raise SpecError(unknown[0], f"unknown field(s) {unknown}; known: {', '.join(FIELDS)}")
-        spec = dataclasses.replace(self, **change)
-        misplaced = sorted(set(change) & set(FLASH_ONLY)) if spec.backend != "flash" else []
-        if misplaced:
-            raise SpecError(misplaced[0], f"{misplaced} only apply to the flash backend, but this layer's "
-                                          f"backend is {spec.backend!r}")
-        return spec
-
-    def settings(self) -> dict:
-        """The fields a configuration sets (all but delta_hook), by name."""
-        return {name: getattr(self, name) for name in SETTINGS}
-
-    def kernel_for(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: float | None = None) -> str:
-        """The flash kernel this spec runs on these inputs, ``pytorch`` or ``triton``: ``kernel``
-        resolved as flash_attention resolves it (choose_backend); the delta hook's path is PyTorch."""
-        if self.delta_hook is not None:
-            return "pytorch"
-        return choose_backend(q, k, v, precision=self.precision, stabilizer=self.stabilizer, block_q=self.block_q,
-                              block_k=self.block_k, softcap=softcap, backend=self.kernel)
-
-    def short_str(self) -> str:
-        """For run names and logs: ``sdpa``, ``reference``, ``flash[paper,safe]``, ``flash[fa2,none,128x128]``,
-        ``flash[fa2,none,triton]`` (the kernel when it is not ``auto``)."""
-        if self.backend != "flash":
-            return self.backend
-        prec = self.precision if isinstance(self.precision, str) else self.precision.short_str()
-        stab = self.stabilizer if isinstance(self.stabilizer, str) else self.stabilizer.name
-        parts = [prec, stab]
-        if self.block_q is not None or self.block_k is not None:
-            parts.append(f"{self.block_q or 'default'}x{self.block_k or 'default'}")
-        if self.kernel != "auto":
-            parts.append(self.kernel)
-        return f"flash[{','.join(parts)}]"
-
-
-FIELDS = tuple(f.name for f in dataclasses.fields(AttentionSpec))
-SETTINGS = tuple(f.name for f in dataclasses.fields(AttentionSpec) if f.metadata.get("setting", True))
-FLASH_ONLY = tuple(f.name for f in dataclasses.fields(AttentionSpec) if f.metadata.get("flash", False))
-
-
-def _field_problem(name: str, value) -> str | None:
-    """What is wrong with one AttentionSpec field's value on its own (None: nothing)."""
-    if name == "backend":
-        return None if value in BACKENDS else f"unknown backend {value!r}; known: {', '.join(BACKENDS)}"
-    if name == "kernel":
-        return None if value in KERNELS else f"unknown kernel {value!r}; known: {', '.join(KERNELS)}"
-    lookup = {"precision": get_policy, "stabilizer": get_stabilizer}.get(name)
-    if lookup is not None:
-        try:
-            lookup(value)
-        except (ValueError, TypeError) as e:
-            return str(e)
-        return None
-    if name in ("block_q", "block_k"):
-        if value is not None and (not _is_int(value) or value < 1):
-            return f"must be None or an integer >= 1, got {value!r}"
-        return None
-    if name == "delta_hook" and value is not None and not callable(value):
-        return f"must be None or callable, got {value!r}"
-    return None
-
-
-def layer_specs(default: AttentionSpec, overrides: Mapping[Any, Mapping[str, Any] | AttentionSpec] | None,
-                n_layer: int) -> list[AttentionSpec]:
-    """One AttentionSpec per layer: ``default`` everywhere, changed where ``overrides`` says.
-
-    ``overrides`` maps a layer index (0-based; an int or a string of digits, as TOML keys are
-    strings) to the fields to change, or to a whole AttentionSpec:
-
-        layer_specs(AttentionSpec("flash", precision="paper"), {1: {"precision": "fp32"}}, 12)
-        layer_specs(AttentionSpec("sdpa"), {1: {"backend": "flash", "precision": "paper"}}, 12)
-
-    Raises ValueError for an index outside [0, n_layer), an unknown field, or a flash-only
-    field (precision, stabilizer, block_q, block_k, kernel) set on a layer whose backend is not
-    flash (it would be silently ignored).
-    """
-    if not isinstance(default, AttentionSpec):
-        raise TypeError(f"default must be an AttentionSpec, got {type(default).__name__}")
-    if not _is_int(n_layer) or n_layer < 1:
-        raise ValueError(f"n_layer must be an integer >= 1, got {n_layer!r}")
-    specs = [default] * n_layer
-    for key, change in (overrides or {}).items():
-        index = layer_index(key)
-        if not 0 <= index < n_layer:
-            raise ValueError(f"attention override for layer {index}: the model has layers "
-                             f"0..{n_layer - 1} (n_layer={n_layer})")
-        if isinstance(change, AttentionSpec):
-            specs[index] = change
-            continue
-        if not isinstance(change, Mapping):
-            raise ValueError(f"attention override for layer {index} must be a dict of fields or an "
-                             f"AttentionSpec, got {type(change).__name__}")
-        try:
-            specs[index] = default.with_changes(change)
-        except SpecError as e:
-            raise ValueError(f"attention override for layer {index}: {e}") from None
-    return specs
-
-
-def layer_index(key) -> int:
-    """A layer override's key as an index: an int, or a string of digits (TOML keys are strings)."""
-    if isinstance(key, str) and key.strip().isdigit():
-        return int(key)
-    if _is_int(key):
-        return int(key)
-    raise ValueError(f"attention override key {key!r} is not a layer index")
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,38 +104,18 @@ class CausalSelfAttention(nn.Module):
 
     @spec.setter
     def spec(self, spec: AttentionSpec) -> None:
-        if not isinstance(spec, AttentionSpec):
-            raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
-        if spec.backend == "flash" and spec.kernel == "triton" and self.softcap is not None:
-            raise SpecError("kernel", "the triton kernel cannot run softcap (GPTConfig.attn_softcap); "
-                                      "use kernel auto or pytorch")
+        check_layer_spec(spec, self.softcap)
         self._spec = spec
 
     @property
     def effective_backend(self) -> str:
-        """The backend that actually runs: ``sdpa`` falls back to ``reference`` under a softcap."""
-        if self.spec.backend == "sdpa" and self.softcap is not None:
-            return "reference"
-        return self.spec.backend
+        """The backend that actually runs (``sdpa`` runs ``math`` under a softcap)."""
+        return effective_backend(self.spec, self.softcap)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of (B, H, T, D) tensors with this layer's backend -> (B, H, T, D)."""
-        backend = self.effective_backend
-        if backend == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        if backend == "flash":
-            s = self.spec
-            if s.delta_hook is not None:
-                return flash_attention_with_delta_hook(q, k, v, delta_hook=s.delta_hook, is_causal=True,
-                                                       precision=s.precision, stabilizer=s.stabilizer,
-                                                       block_q=s.block_q, block_k=s.block_k, softcap=self.softcap)
-            return flash_attention(q, k, v, is_causal=True, precision=s.precision,
-                                   stabilizer=s.stabilizer, block_q=s.block_q, block_k=s.block_k,
-                                   softcap=self.softcap, backend=s.kernel)
-        # reference: the math in fp32, whatever autocast would do to its matmuls
-        with torch.autocast(q.device.type, enabled=False):
-            y = reference_attention(q, k, v, is_causal=True, dtype=torch.float32, softcap=self.softcap)
-        return y.to(v.dtype)
+        """Causal attention of (B, H, T, D) tensors with this layer's spec -> (B, H, T, D).
+        A method of its own so that the probes can wrap it (flashguard.diagnostics.capture)."""
+        return attend(self.spec, q, k, v, softcap=self.softcap)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -380,7 +165,7 @@ class Block(nn.Module):
 # --------------------------------------------------------------------------------------------
 # the model
 
-class GPT(nn.Module):
+class GPT(HeadWeights, nn.Module):
     """GPT-2 with per-layer attention backends.
 
     ``forward(idx, targets=None) -> (logits, loss)``:
@@ -390,6 +175,8 @@ class GPT(nn.Module):
         z_loss = 0), so ``loss == last_ce + last_z``.
       * without targets: logits of the last position only, (B, 1, V), and loss None.
     Logits are returned in the compute dtype (bf16 under autocast); the loss is computed in fp32.
+    ``wq_heads`` / ``wk_heads`` / ``wv_heads`` (per-head weight views, for the probes) come from
+    .heads.HeadWeights.
     """
 
     def __init__(self, config: GPTConfig,
@@ -522,38 +309,6 @@ class GPT(nn.Module):
         n = self.num_params(non_embedding=False) - self.transformer.wpe.weight.numel()
         return 6 * n + 12 * cfg.n_layer * cfg.n_embd * T
 
-    # ---- diagnostics access ----
-
-    def _check_layer(self, layer: int) -> None:
-        if not _is_int(layer) or not 0 <= layer < self.config.n_layer:
-            raise ValueError(f"layer must be in 0..{self.config.n_layer - 1}, got {layer!r}")
-
-    def _qkv_heads(self, layer: int, part: int, grad: bool) -> torch.Tensor | None:
-        self._check_layer(layer)
-        w = self.transformer.h[layer].attn.c_attn.weight                     # (3C, C)
-        if grad:
-            w = w.grad
-            if w is None:
-                return None
-        C, H = self.config.n_embd, self.config.n_head
-        return w.detach()[part * C:(part + 1) * C].view(H, C // H, C)        # (H, D, C)
-
-    def wq_heads(self, layer: int, grad: bool = False) -> torch.Tensor | None:
-        """Per-head slices of layer ``layer``'s query projection, (n_head, head_dim, n_embd).
-
-        Head h computes q_h = x @ wq_heads(layer)[h].T. A detached view of the weight (no copy:
-        it follows training); ``grad=True`` gives the same slices of ``.grad`` (None if unset).
-        """
-        return self._qkv_heads(layer, 0, grad)
-
-    def wk_heads(self, layer: int, grad: bool = False) -> torch.Tensor | None:
-        """As wq_heads, for the key projection."""
-        return self._qkv_heads(layer, 1, grad)
-
-    def wv_heads(self, layer: int, grad: bool = False) -> torch.Tensor | None:
-        """As wq_heads, for the value projection."""
-        return self._qkv_heads(layer, 2, grad)
-
     # ---- sampling ----
 
     @torch.no_grad()
@@ -565,11 +320,11 @@ class GPT(nn.Module):
         likely token; ``top_k`` keeps only the k most likely. Call ``model.eval()`` first if the
         model has dropout.
         """
-        if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        if not is_int(max_new_tokens) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        if not _is_real(temperature) or temperature < 0:
+        if not is_real(temperature) or temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-        if top_k is not None and (not _is_int(top_k) or top_k < 1):
+        if top_k is not None and (not is_int(top_k) or top_k < 1):
             raise ValueError(f"top_k must be None or an integer >= 1, got {top_k!r}")
         for _ in range(max_new_tokens):
             ctx = idx[:, -self.config.block_size:]                            # (B, <=block)

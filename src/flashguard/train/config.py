@@ -51,7 +51,7 @@ class ModelConfig:
 
 
 def _default_spec():
-    from ..model.gpt import AttentionSpec
+    from ..model.attention import AttentionSpec
     return AttentionSpec(backend="flash", precision="paper")
 
 
@@ -59,15 +59,16 @@ def _default_spec():
 class AttentionConfig:
     """[attention]: the attention every layer trains with, as the model's own choice
     (flashguard.model.AttentionSpec): the section's keys are the spec's settings - backend
-    (sdpa | flash | reference), precision, stabilizer, block_q, block_k, kernel (auto | pytorch |
-    triton) - validated by the spec itself and named here by key; ``layers`` changes them per
-    layer, e.g. layers."1" = { precision = "fp32" } (the study's localisation)."""
+    (sdpa | flash | math; the old name reference loads as math, with a DeprecationWarning), precision,
+    stabilizer, block_q, block_k, kernel (auto | pytorch | triton) - validated by the spec itself and
+    named here by key; ``layers`` changes them per layer, e.g. layers."1" = { precision = "fp32" }
+    (the study's localisation)."""
     spec: "AttentionSpec" = field(default_factory=_default_spec)   # noqa: F821 (flashguard.model.AttentionSpec)
     layers: dict = field(default_factory=dict)
 
     def specs(self, n_layer: int) -> list:
         """One AttentionSpec per layer (ValueError for a layer the model does not have)."""
-        from ..model.gpt import layer_specs
+        from ..model.attention import layer_specs
         return layer_specs(self.spec, {int(k): v for k, v in self.layers.items()}, n_layer)
 
 
@@ -192,17 +193,25 @@ def config_from_dict(raw: dict) -> RunConfig:
 
 def _attention_from_dict(raw: dict) -> AttentionConfig:
     """[attention] as TOML writes it (the spec's settings flat, plus ``layers``) -> AttentionConfig."""
-    from ..model.gpt import SETTINGS, SpecError
+    from ..model.attention import SETTINGS, SpecError, backend_name
     for key in raw:
         if key != "layers" and key not in SETTINGS:
             raise ConfigError(f"unknown config key attention.{key}; known in [attention]: {', '.join((*SETTINGS, 'layers'))}")
+
+    def renamed(table: dict) -> dict:
+        # a deprecated backend name (an older run's config.toml) is renamed here, with its warning
+        # pointing at the config's loading, and a run saves the new name
+        return {**table, "backend": backend_name(table["backend"])} if "backend" in table else table
+
+    settings = renamed({k: v for k, v in raw.items() if k != "layers"})
     try:  # replace, not with_changes: a saved sdpa run's section names every setting
-        spec = dataclasses.replace(_default_spec(), **{k: v for k, v in raw.items() if k != "layers"})
+        spec = dataclasses.replace(_default_spec(), **settings)
     except SpecError as e:
         raise ConfigError(f"attention.{e.field}: {e.problem}") from None
     layers = raw.get("layers", {})
     if not isinstance(layers, dict):
         raise ConfigError(f"attention.layers must be a table of layer changes, got {layers!r}")
+    layers = {k: renamed(v) if isinstance(v, dict) else v for k, v in layers.items()}
     return AttentionConfig(spec=spec, layers=layers)
 
 
@@ -258,7 +267,7 @@ def _validate(cfg: RunConfig) -> None:
 def _validate_attention(a: AttentionConfig) -> None:
     """The attention section: a spec a config can hold (named presets, no hook) and per-layer
     changes that the spec accepts, each refused under its key (attention.layers.1.precision: ...)."""
-    from ..model.gpt import SETTINGS, AttentionSpec, SpecError
+    from ..model.attention import SETTINGS, AttentionSpec, SpecError
     if not isinstance(a.spec, AttentionSpec):
         raise ConfigError(f"attention.spec must be a flashguard.model.AttentionSpec, got {type(a.spec).__name__}")
     for name in ("precision", "stabilizer"):

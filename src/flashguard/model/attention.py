@@ -1,0 +1,277 @@
+"""Which attention a layer runs: AttentionSpec, the per-layer choice, and the call itself.
+
+A layer's attention is an AttentionSpec. Its ``backend`` says what computes softmax(Q K^T / sqrt(D)) V:
+
+* ``sdpa``   torch.nn.functional.scaled_dot_product_attention (whatever kernel torch picks).
+* ``flash``  flashguard's flash_attention with a PrecisionPolicy and a stabilizer: the study's
+             object, emulating a chosen low-precision FA2 arithmetic; its ``kernel``
+             (auto | pytorch | triton) and tiles say which implementation runs it.
+* ``math``   the plain composite formula in fp32 with ordinary torch ops and autograd (autocast
+             disabled inside), cast back to the input dtype: "standard attention in high
+             precision". torch calls its own such SDPA path "math" too. (Formerly ``reference``,
+             still accepted with a DeprecationWarning: in flashguard "reference" names the fp64
+             reference_attention the probes and the lab measure against, and the study's arithmetic.)
+
+Attention-logit soft-capping (GPTConfig.attn_softcap) replaces the scores S by
+cap * tanh(S / cap) before the mask and the softmax. torch SDPA cannot do this, so a layer
+whose backend is ``sdpa`` runs ``math`` instead when a cap is set (``effective_backend``).
+
+There is no dropout on the attention probabilities: every backend must compute the same
+function, so that one layer's backend can be swapped for another on the same weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import flash_attention, get_stabilizer, reference_attention
+from ..attention.function import KERNEL_BACKENDS, choose_backend, flash_attention_with_delta_hook
+from ..attention.stabilizers import Stabilizer
+from ..attention.triton_flash import triton_unsupported_settings
+from ..numerics.policy import PrecisionPolicy, get_policy
+from .checks import is_int
+
+__all__ = ["BACKENDS", "KERNELS", "DEPRECATED_BACKENDS", "backend_name", "SpecError", "AttentionSpec", "FIELDS",
+           "SETTINGS", "FLASH_ONLY", "layer_specs", "layer_index", "effective_backend", "check_layer_spec", "attend"]
+
+
+# --------------------------------------------------------------------------------------------
+# names
+
+BACKENDS = ("sdpa", "flash", "math")
+KERNELS = KERNEL_BACKENDS  # which implementation runs a flash layer: flash_attention's backend= (auto | pytorch | triton)
+
+# old name -> the backend it now is; run folders saved before the rename still load
+DEPRECATED_BACKENDS = {"reference": "math"}
+
+
+def backend_name(value, stacklevel: int = 2):
+    """``value`` with a deprecated backend name replaced by its new one (a DeprecationWarning
+    naming it); any other value is returned as it is, for the spec's own check to judge."""
+    if isinstance(value, str) and value in DEPRECATED_BACKENDS:
+        new = DEPRECATED_BACKENDS[value]
+        warnings.warn(f"attention backend {value!r} is now called {new!r} (fp32 softmax(QK^T)V with plain torch "
+                      f"ops; 'reference' is flashguard's fp64 reference_attention): write backend = {new!r}",
+                      DeprecationWarning, stacklevel=stacklevel + 1)
+        return new
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# the spec
+
+# field metadata: "flash" = used by the flash backend only; "setting" = False for a field that is
+# not a configuration value (the injection's hook, set by code)
+_FLASH = {"flash": True}
+
+
+class SpecError(ValueError):
+    """A bad AttentionSpec value; ``field`` names it (a config names it by its own key)."""
+
+    def __init__(self, field_name: str, problem: str):
+        super().__init__(f"AttentionSpec.{field_name}: {problem}")
+        self.field, self.problem = field_name, problem
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How one layer computes attention: the one definition of the attention choice (a training
+    config's [attention] section holds one and names its keys after these fields).
+
+    ``backend`` is ``sdpa``, ``flash`` or ``math`` (module docstring; ``reference`` is read as
+    ``math``, with a DeprecationWarning). ``precision`` (a flashguard preset name or a
+    PrecisionPolicy), ``stabilizer`` (``none``, ``paper``, ``paper:beta=7``, ``safe`` or a
+    Stabilizer), the tile sizes ``block_q`` / ``block_k`` (None = the kernel's default: 512 on the
+    PyTorch path, the Triton kernels' own) and ``kernel`` (flash_attention's backend: ``auto`` =
+    Triton on CUDA when it supports the call, else PyTorch; ``pytorch``; ``triton``, refused here
+    for settings it cannot run) are used by the ``flash`` backend only, and so is ``delta_hook``:
+    a callable the layer's backward pass hands its delta to and takes the delta to use from (the
+    error-injection experiment, flashguard.attention.injection; the PyTorch kernel then runs, so
+    ``kernel`` may not be ``triton``).
+    """
+
+    backend: str = "sdpa"
+    precision: str | PrecisionPolicy = dataclasses.field(default="fa2", metadata=_FLASH)
+    stabilizer: str | Stabilizer = dataclasses.field(default="none", metadata=_FLASH)
+    block_q: int | None = dataclasses.field(default=None, metadata=_FLASH)
+    block_k: int | None = dataclasses.field(default=None, metadata=_FLASH)
+    kernel: str = dataclasses.field(default="auto", metadata=_FLASH)
+    delta_hook: Callable | None = dataclasses.field(default=None, metadata={"flash": True, "setting": False})
+
+    def __post_init__(self):
+        # frozen: the one sanctioned way to normalise a field is object.__setattr__ in __post_init__
+        # (stacklevel 3 = past __post_init__ and the generated __init__, at the caller)
+        object.__setattr__(self, "backend", backend_name(self.backend, stacklevel=3))
+        for name in FIELDS:
+            problem = _field_problem(name, getattr(self, name))
+            if problem:
+                raise SpecError(name, problem)
+        if self.delta_hook is not None and self.backend != "flash":
+            raise SpecError("delta_hook", f"applies to the flash backend only, not {self.backend!r}")
+        if self.backend == "flash" and self.kernel == "triton":
+            if self.delta_hook is not None:
+                raise SpecError("kernel", "the injection's delta hook runs on the pytorch kernel, not triton")
+            reason = triton_unsupported_settings(precision=self.precision, stabilizer=self.stabilizer,
+                                                 block_q=self.block_q, block_k=self.block_k)
+            if reason:
+                raise SpecError("kernel", f"the triton kernel cannot run {reason}")
+
+    def with_changes(self, change: Mapping[str, Any]) -> "AttentionSpec":
+        """This spec with the fields in ``change`` set (SpecError for an unknown field, a bad value,
+        or a flash-only field set where the backend is not flash: it would be silently ignored)."""
+        unknown = sorted(set(change) - set(FIELDS))
+        if unknown:
+            raise SpecError(unknown[0], f"unknown field(s) {unknown}; known: {', '.join(FIELDS)}")
+        spec = dataclasses.replace(self, **change)
+        misplaced = sorted(set(change) & set(FLASH_ONLY)) if spec.backend != "flash" else []
+        if misplaced:
+            raise SpecError(misplaced[0], f"{misplaced} only apply to the flash backend, but this layer's "
+                                          f"backend is {spec.backend!r}")
+        return spec
+
+    def settings(self) -> dict:
+        """The fields a configuration sets (all but delta_hook), by name."""
+        return {name: getattr(self, name) for name in SETTINGS}
+
+    def kernel_for(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: float | None = None) -> str:
+        """The flash kernel this spec runs on these inputs, ``pytorch`` or ``triton``: ``kernel``
+        resolved as flash_attention resolves it (choose_backend); the delta hook's path is PyTorch."""
+        if self.delta_hook is not None:
+            return "pytorch"
+        return choose_backend(q, k, v, precision=self.precision, stabilizer=self.stabilizer, block_q=self.block_q,
+                              block_k=self.block_k, softcap=softcap, backend=self.kernel)
+
+    def short_str(self) -> str:
+        """For run names and logs: ``sdpa``, ``math``, ``flash[paper,safe]``, ``flash[fa2,none,128x128]``,
+        ``flash[fa2,none,triton]`` (the kernel when it is not ``auto``)."""
+        if self.backend != "flash":
+            return self.backend
+        prec = self.precision if isinstance(self.precision, str) else self.precision.short_str()
+        stab = self.stabilizer if isinstance(self.stabilizer, str) else self.stabilizer.name
+        parts = [prec, stab]
+        if self.block_q is not None or self.block_k is not None:
+            parts.append(f"{self.block_q or 'default'}x{self.block_k or 'default'}")
+        if self.kernel != "auto":
+            parts.append(self.kernel)
+        return f"flash[{','.join(parts)}]"
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(AttentionSpec))
+SETTINGS = tuple(f.name for f in dataclasses.fields(AttentionSpec) if f.metadata.get("setting", True))
+FLASH_ONLY = tuple(f.name for f in dataclasses.fields(AttentionSpec) if f.metadata.get("flash", False))
+
+
+def _field_problem(name: str, value) -> str | None:
+    """What is wrong with one AttentionSpec field's value on its own (None: nothing)."""
+    if name == "backend":
+        return None if value in BACKENDS else f"unknown backend {value!r}; known: {', '.join(BACKENDS)}"
+    if name == "kernel":
+        return None if value in KERNELS else f"unknown kernel {value!r}; known: {', '.join(KERNELS)}"
+    lookup = {"precision": get_policy, "stabilizer": get_stabilizer}.get(name)
+    if lookup is not None:
+        try:
+            lookup(value)
+        except (ValueError, TypeError) as e:
+            return str(e)
+        return None
+    if name in ("block_q", "block_k"):
+        if value is not None and (not is_int(value) or value < 1):
+            return f"must be None or an integer >= 1, got {value!r}"
+        return None
+    if name == "delta_hook" and value is not None and not callable(value):
+        return f"must be None or callable, got {value!r}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# one spec per layer
+
+def layer_specs(default: AttentionSpec, overrides: Mapping[Any, Mapping[str, Any] | AttentionSpec] | None,
+                n_layer: int) -> list[AttentionSpec]:
+    """One AttentionSpec per layer: ``default`` everywhere, changed where ``overrides`` says.
+
+    ``overrides`` maps a layer index (0-based; an int or a string of digits, as TOML keys are
+    strings) to the fields to change, or to a whole AttentionSpec:
+
+        layer_specs(AttentionSpec("flash", precision="paper"), {1: {"precision": "fp32"}}, 12)
+        layer_specs(AttentionSpec("sdpa"), {1: {"backend": "flash", "precision": "paper"}}, 12)
+
+    Raises ValueError for an index outside [0, n_layer), an unknown field, or a flash-only
+    field (precision, stabilizer, block_q, block_k, kernel) set on a layer whose backend is not
+    flash (it would be silently ignored).
+    """
+    if not isinstance(default, AttentionSpec):
+        raise TypeError(f"default must be an AttentionSpec, got {type(default).__name__}")
+    if not is_int(n_layer) or n_layer < 1:
+        raise ValueError(f"n_layer must be an integer >= 1, got {n_layer!r}")
+    specs = [default] * n_layer
+    for key, change in (overrides or {}).items():
+        index = layer_index(key)
+        if not 0 <= index < n_layer:
+            raise ValueError(f"attention override for layer {index}: the model has layers "
+                             f"0..{n_layer - 1} (n_layer={n_layer})")
+        if isinstance(change, AttentionSpec):
+            specs[index] = change
+            continue
+        if not isinstance(change, Mapping):
+            raise ValueError(f"attention override for layer {index} must be a dict of fields or an "
+                             f"AttentionSpec, got {type(change).__name__}")
+        try:
+            specs[index] = default.with_changes(change)
+        except SpecError as e:
+            raise ValueError(f"attention override for layer {index}: {e}") from None
+    return specs
+
+
+def layer_index(key) -> int:
+    """A layer override's key as an index: an int, or a string of digits (TOML keys are strings)."""
+    if isinstance(key, str) and key.strip().isdigit():
+        return int(key)
+    if is_int(key):
+        return int(key)
+    raise ValueError(f"attention override key {key!r} is not a layer index")
+
+
+# --------------------------------------------------------------------------------------------
+# running it
+
+def effective_backend(spec: AttentionSpec, softcap: float | None) -> str:
+    """The backend that actually runs: ``sdpa`` falls back to ``math`` under a softcap."""
+    if spec.backend == "sdpa" and softcap is not None:
+        return "math"
+    return spec.backend
+
+
+def check_layer_spec(spec: AttentionSpec, softcap: float | None) -> None:
+    """What a spec must satisfy on a layer beyond its own checks: the model's soft-cap."""
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(f"spec must be an AttentionSpec, got {type(spec).__name__}")
+    if spec.backend == "flash" and spec.kernel == "triton" and softcap is not None:
+        raise SpecError("kernel", "the triton kernel cannot run softcap (GPTConfig.attn_softcap); "
+                                  "use kernel auto or pytorch")
+
+
+def attend(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+           softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of (B, H, T, D) tensors as ``spec`` says -> (B, H, T, D)."""
+    backend = effective_backend(spec, softcap)
+    if backend == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if backend == "flash":
+        s = spec
+        if s.delta_hook is not None:
+            return flash_attention_with_delta_hook(q, k, v, delta_hook=s.delta_hook, is_causal=True,
+                                                   precision=s.precision, stabilizer=s.stabilizer,
+                                                   block_q=s.block_q, block_k=s.block_k, softcap=softcap)
+        return flash_attention(q, k, v, is_causal=True, precision=s.precision,
+                               stabilizer=s.stabilizer, block_q=s.block_q, block_k=s.block_k,
+                               softcap=softcap, backend=s.kernel)
+    # math: the formula in fp32, whatever autocast would do to its matmuls
+    with torch.autocast(q.device.type, enabled=False):
+        y = reference_attention(q, k, v, is_causal=True, dtype=torch.float32, softcap=softcap)
+    return y.to(v.dtype)
