@@ -45,14 +45,16 @@ _IO_PTRS = {"Q", "K", "V", "O", "DO"}
 def compile_sm90(fn, dtype: str, num_warps: int, num_stages: int, aligned: bool = True, **constexprs):
     """The compiled kernel (triton.compile's result) of ``fn`` for sm_90; dtype 'bf16' / 'fp16' / 'fp32'."""
     f32_ptrs = _F32_PTRS | ({"DV"} if fn.__name__ == "_bwd_dkdv_kernel" else set())
+    if "DROPOUT" in fn.arg_names:
+        constexprs.setdefault("DROPOUT", False)  # attention dropout: off unless a case asks for it
     sig, attrs = {}, {}
     for i, n in enumerate(fn.arg_names):
         if n in constexprs or re.fullmatch(r"s[a-z]{1,3}d", n):  # s*d: the head-dim strides, 1
             constexprs.setdefault(n, 1)
             sig[n] = "constexpr"
             continue
-        sig[n] = ("*" + dtype if n in _IO_PTRS else "*fp64" if n == "CONSTS" else "*fp32" if n in f32_ptrs
-                  else "fp32" if n in ("scale", "beta", "tol") else "i32")
+        sig[n] = ("*" + dtype if n in _IO_PTRS else "*fp64" if n == "CONSTS" else "*i64" if n == "SEED"
+                  else "*fp32" if n in f32_ptrs else "fp32" if n in ("scale", "beta", "tol", "drop_scale") else "i32")
         if aligned and sig[n] != "fp32":
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
@@ -97,6 +99,14 @@ def quick_cases():
     yield (K._bwd_dq_kernel, "fp16", w, st, False,
            dict(CAUSAL=False, BLOCK_M=bm2, BLOCK_N=bn2, D_PAD=64, DV_PAD=32, **common))
     yield K._bwd_delta_kernel, "bf16", 4, 1, True, dict(BLOCK_M=64, DV_PAD=128)
+    # attention dropout (the uint32 hash in each kernel)
+    bm, bn, fw, fst = tf._fwd_config(64, False)
+    yield (K._fwd_kernel, "bf16", fw, fst, True,
+           dict(CAUSAL=True, STAB=0, BLOCK_M=bm, BLOCK_N=bn, D_PAD=64, DV_PAD=64, DROPOUT=True, **fwd, **common))
+    yield (K._bwd_dkdv_kernel, "bf16", w, st, True,
+           dict(CAUSAL=True, BLOCK_M=bm1, BLOCK_N=bn1, D_PAD=64, DV_PAD=64, DROPOUT=True, **common))
+    yield (K._bwd_dq_kernel, "bf16", w, st, True,
+           dict(CAUSAL=True, BLOCK_M=bm2, BLOCK_N=bn2, D_PAD=64, DV_PAD=64, DROPOUT=True, **common))
 
 
 def cases(all_paths: bool, scan: bool):

@@ -274,6 +274,41 @@ def test_override_sdpa_triton_backend():
     assert torch.equal(o, expect)
 
 
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_keeps_the_pytorch_paths_bits(p):
+    """q = 0 (uniform attention) and v = identity put P_ij * Z_ij in O[i, j]: the kernels' kept
+    entries are exactly attention.dropout's mask for the seed they drew."""
+    from flashguard.attention.dropout import draw_seed, dropout_keep_mask
+
+    B, H, T = 2, 2, 48
+    q = torch.zeros(B, H, T, 16, device=DEVICE)
+    v = torch.eye(T, device=DEVICE).expand(B, H, T, T).contiguous()
+    torch.manual_seed(3)
+    seed = draw_seed()
+    torch.manual_seed(3)
+    o = flash_attention(q, q, v, precision="fp32", backend="triton", dropout_p=p)
+    assert torch.equal((o != 0).cpu(), dropout_keep_mask(seed, p, B, H, T, T))
+    torch.testing.assert_close(o[o != 0], torch.full_like(o[o != 0], 1 / (T * (1 - p))), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_forward_and_backward_match_the_pytorch_path(dtype, causal):
+    """Same seed, same mask: O and the gradients agree with the PyTorch tiles with the same
+    arithmetic (fp32: to fp32 rounding; bf16: to the bf16 operands' rounding of two different
+    accumulation orders)."""
+    q, k, v, do = _inputs(1, 2, 40, 40, 16, dtype, seed=4)
+    outs = []
+    for backend in ("triton", "pytorch"):
+        torch.manual_seed(8)
+        outs.append(_run(lambda a, b, c: flash_attention(a, b, c, is_causal=causal, precision=PRESET[dtype],
+                                                         backend=backend, dropout_p=0.3, block_q=TILE,
+                                                         block_k=TILE), q, k, v, do))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * b.abs().max().item())
+
+
 # --------------------------------------------------------------------------------------------
 # compiled for a Hopper GPU (sm_90) without one: Triton's own front end, optimizer and ptxas
 # run here, which the interpreter skips (type errors, constexpr scoping, shared memory)

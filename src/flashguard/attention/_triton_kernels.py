@@ -28,6 +28,12 @@ conversion also truncates instead of rounding to nearest; ``BF16_RNE`` (set for 
 interpreter) rounds on the bits first (``_rne``; then every conversion matches torch's except
 of fp32 subnormals, below 1.2e-38, which the interpreter converts wrongly). fp16 and fp32 need
 no workaround there.
+
+Dropout (constexpr ``DROPOUT``): the keep bit of (b, h, i, j) is flashguard.attention.dropout's
+hash, here in uint32 arithmetic (``_mix32``; the PyTorch tiles compute it on int64 words reduced
+mod 2^32, so both give the same bits): the forward zeroes dropped Pbar entries and scales O by
+1 / (1 - p); the backward zeroes them in P for dV, multiplies dP by keep / (1 - p), and scales
+the finished dV by 1 / (1 - p); delta = rowsum(dO * O) of the dropped O needs no change.
 """
 from __future__ import annotations
 
@@ -63,11 +69,41 @@ def _rne(x, BF16_RNE: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, M_OUT, CONSTS,
+def _mix32(x):
+    """flashguard.attention.dropout.mix32 on uint32 words (the multiplies wrap mod 2^32)."""
+    x = x ^ (x >> 16)
+    x = x * 0x6E237517
+    x = x ^ (x >> 15)
+    x = x * 0x61A6A55B
+    x = x ^ (x >> 13)
+    x = x * 0x590BBF03
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _seed_words(SEED, bh, T_Q, offs_m, offs_n):
+    """The row words (of the queries offs_m) and column words (of the keys offs_n) of the
+    dropout hash, as TileDropout.keep makes them: r = mix(row counter ^ s0), c = mix(j ^ s1)."""
+    s0 = tl.load(SEED).to(tl.uint32)
+    s1 = tl.load(SEED + 1).to(tl.uint32)
+    r = _mix32((bh.to(tl.int64) * T_Q + offs_m).to(tl.uint32) ^ s0)
+    c = _mix32(offs_n.to(tl.uint32) ^ s1)
+    return r, c
+
+
+@triton.jit
+def _kept(a, b, drop_thr):
+    """(len(a), len(b)) bool: mix(a_i ^ b_j) >= threshold (compared in int64: the threshold of
+    p = 1 is 2^32). XOR is symmetric, so (r, c) gives the keep tile, (c, r) its transpose."""
+    return _mix32(a[:, None] ^ b[None, :]).to(tl.int64) >= drop_thr
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE, M_OUT, CONSTS, SEED,
                 sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod,
-                H, T_Q, T_K, D, DV, scale, beta, tol,
+                H, T_Q, T_K, D, DV, scale, beta, tol, drop_thr, drop_scale,
                 CAUSAL: tl.constexpr, STAB: tl.constexpr, ROW_SUM_ROUNDED: tl.constexpr,
-                STORE_M: tl.constexpr, F32_DOT: tl.constexpr, BF16_RNE: tl.constexpr,
+                STORE_M: tl.constexpr, F32_DOT: tl.constexpr, BF16_RNE: tl.constexpr, DROPOUT: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -137,6 +173,9 @@ def _fwd_kernel(Q, K, V, O, LSE, M_OUT, CONSTS,
             tile_sum = tl.sum(pbar.to(tl.float32), 1)
         else:
             tile_sum = tl.sum(p, 1)
+        if DROPOUT:  # after the row sum took the undropped Pbar
+            r_w, c_w = _seed_words(SEED, bh, T_Q, offs_m, offs_n)
+            pbar = tl.where(_kept(r_w, c_w, drop_thr), pbar, tl.zeros_like(pbar))
         v = tl.load(v_base + offs_n[:, None] * svt + offs_dv[None, :] * svd,
                     mask=(offs_n[:, None] < T_K) & (offs_dv[None, :] < DV), other=0.0)  # (BLOCK_N, DV_PAD)
         pv = _mm(pbar, v, F32_DOT)
@@ -147,6 +186,8 @@ def _fwd_kernel(Q, K, V, O, LSE, M_OUT, CONSTS,
 
     empty = l_i == 0.0  # every key hidden: O = 0, lse = +inf (so that backward's P is 0)
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if DROPOUT:
+        o = o * drop_scale
     o = tl.where(empty[:, None], 0.0, o)
     lse = tl.where(empty, float("inf"), tl.log(l_i) + m_i)
     row_ok = offs_m < T_Q
@@ -174,11 +215,11 @@ def _bwd_delta_kernel(O, DO, DELTA, sob, soh, sot, sod, sdb, sdh, sdt, sdd, H, T
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, SEED,
                      sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdb, sdh, sdt, sdd,
                      sgkb, sgkh, sgkt, sgkd, sgvb, sgvh, sgvt, sgvd,
-                     H, T_Q, T_K, D, DVD, scale,
-                     CAUSAL: tl.constexpr, F32_DOT: tl.constexpr, BF16_RNE: tl.constexpr,
+                     H, T_Q, T_K, D, DVD, scale, drop_thr, drop_scale,
+                     CAUSAL: tl.constexpr, F32_DOT: tl.constexpr, BF16_RNE: tl.constexpr, DROPOUT: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr):
     """Works on the transposed tile (keys x queries): S^T = K Q^T, so that dV = P^T dO and
     dK = dS^T Q are plain dots."""
@@ -220,10 +261,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
             visible = visible & (offs_n[:, None] <= offs_m[None, :])
         st = tl.where(visible, st, float("-inf"))
         pt = tl.exp(st - lse[None, :])                                            # P^T, fp32
-        dv += _mm(_rne(pt, BF16_RNE).to(DO.dtype.element_ty), do, F32_DOT)
+        pt_op = _rne(pt, BF16_RNE).to(DO.dtype.element_ty)
+        if DROPOUT:
+            r_w, c_w = _seed_words(SEED, bh, T_Q, offs_m, offs_n)
+            keep_t = _kept(c_w, r_w, drop_thr)                                    # (BLOCK_N, BLOCK_M)
+            pt_op = tl.where(keep_t, pt_op, tl.zeros_like(pt_op))
+        dv += _mm(pt_op, do, F32_DOT)
         dpt = _mm(v, tl.trans(do), F32_DOT)                                       # dP^T = V dO^T
+        if DROPOUT:
+            dpt = tl.where(keep_t, dpt * drop_scale, 0.0)
         dst = (pt * scale) * (dpt - delta[None, :])                               # dS^T, fp32
         dk += _mm(_rne(dst, BF16_RNE).to(Q.dtype.element_ty), tl.trans(qt), F32_DOT)
+    if DROPOUT:
+        dv = dv * drop_scale
     tl.store(DK + b * sgkb + h * sgkh + offs_n[:, None] * sgkt + offs_d[None, :] * sgkd, dk,
              mask=key_ok[:, None] & (offs_d[None, :] < D))
     tl.store(DV + b * sgvb + h * sgvh + offs_n[:, None] * sgvt + offs_dv[None, :] * sgvd, dv,
@@ -231,11 +281,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, SEED,
                    sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sdb, sdh, sdt, sdd,
                    sgqb, sgqh, sgqt, sgqd,
-                   H, T_Q, T_K, D, DVD, scale,
-                   CAUSAL: tl.constexpr, F32_DOT: tl.constexpr, BF16_RNE: tl.constexpr,
+                   H, T_Q, T_K, D, DVD, scale, drop_thr, drop_scale,
+                   CAUSAL: tl.constexpr, F32_DOT: tl.constexpr, BF16_RNE: tl.constexpr, DROPOUT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -274,6 +324,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
         s = tl.where(visible, s, float("-inf"))
         p = tl.exp(s - lse[:, None])
         dp = _mm(do, vt, F32_DOT)
+        if DROPOUT:
+            r_w, c_w = _seed_words(SEED, bh, T_Q, offs_m, offs_n)
+            dp = tl.where(_kept(r_w, c_w, drop_thr), dp * drop_scale, 0.0)
         ds = (p * scale) * (dp - delta[:, None])
         dq += _mm(_rne(ds, BF16_RNE).to(Q.dtype.element_ty), tl.trans(kt), F32_DOT)
     tl.store(DQ + b * sgqb + h * sgqh + offs_m[:, None] * sgqt + offs_d[None, :] * sgqd, dq,

@@ -9,6 +9,9 @@ stabilizers ``none``, ``paper(beta, tol)`` and ``safe`` choose the softmax shift
 exactly as ``flashguard.attention.stabilizers`` defines them (``safe``'s dither counts rows
 within a query tile of the forward's ``block_m``, as the PyTorch path's does with ``block_q``).
 
+Attention dropout (``dropout_p``) uses the mask of ``flashguard.attention.dropout``: the same
+seed gives the same keep bits as the PyTorch path.
+
 Not supported (raise NotImplementedError naming the feature): ``attn_mask``, ``softcap``,
 precision policies other than the ``fa2`` structure (``fa2``, ``fa2-fp16``, ``fp32``, or a
 policy with the same layout), Stabilizer classes other than the three, head dims over 128.
@@ -31,6 +34,7 @@ import sys
 import torch
 
 from ..numerics.policy import PrecisionPolicy, get_policy
+from .dropout import check_dropout_p, draw_seed, keep_scale, threshold
 from .stabilizers import (SAFE_DELTA_MIN, SAFE_DELTA_SPAN, NoStabilizer, PaperStabilizer, SafeStabilizer,
                           Stabilizer, get_stabilizer)
 
@@ -116,8 +120,6 @@ def triton_unsupported_settings(*, precision="fa2", stabilizer="none", block_q=N
         return "attn_mask (the triton backend supports is_causal only)"
     if softcap is not None:
         return "softcap (not implemented in the triton backend)"
-    if dropout_p:
-        return f"dropout_p={dropout_p!r} (not implemented in the triton backend; backend='pytorch' has it)"
     reason = fa2_structured(get_policy(precision))
     if reason:
         return reason
@@ -227,11 +229,20 @@ def _f32_dot(dtype, interp):
     return dtype == torch.float32 or (interp and dtype == torch.bfloat16)
 
 
+def _dropout_args(dropout_p, seed, like):
+    """(SEED tensor on the device, threshold, 1 / (1 - p), DROPOUT) for the kernels."""
+    if not dropout_p:
+        return like, 0, 1.0, False  # SEED is not read: any pointer does
+    return seed.to(device=like.device, dtype=torch.int64), threshold(dropout_p), keep_scale(dropout_p), True
+
+
 def triton_forward(q, k, v, *, causal: bool, scale: float, stabilizer: Stabilizer, row_sum_rounded: bool = False,
-                   block_m: int | None = None, block_n: int | None = None, return_m: bool = False):
+                   block_m: int | None = None, block_n: int | None = None, return_m: bool = False,
+                   dropout_p: float = 0.0, seed: torch.Tensor | None = None):
     """The forward kernel on (B, H, T, D) tensors of one dtype: returns (o, lse) with o in the
     input dtype and lse (B, H, T_q) fp32, plus the final running shift m (B, H, T_q) fp32 if
-    ``return_m`` (tests read which shift a stabilizer chose through it)."""
+    ``return_m`` (tests read which shift a stabilizer chose through it). ``dropout_p`` > 0 with
+    ``seed`` (the (2,) int64 words of attention.dropout.draw_seed): attention dropout."""
     kern = _kernels()
     interp = kern.INTERPRETED
     B, H, Tq, D = q.shape
@@ -247,10 +258,12 @@ def triton_forward(q, k, v, *, causal: bool, scale: float, stabilizer: Stabilize
     beta = float(getattr(stabilizer, "beta", 2.0))
     tol = float(getattr(stabilizer, "tol", 0.0))
     grid = (triton_cdiv(Tq, bm), B * H)
+    seed_t, thr, rp, dropout = _dropout_args(dropout_p, seed, consts)
     _launch(kern._fwd_kernel, grid,
-            (q, k, v, o, lse, m, consts, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-             H, Tq, Tk, D, Dv, float(scale), beta, tol), warps, stages,
+            (q, k, v, o, lse, m, consts, seed_t, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+             H, Tq, Tk, D, Dv, float(scale), beta, tol, thr, rp), warps, stages,
             CAUSAL=bool(causal), STAB=code, ROW_SUM_ROUNDED=bool(row_sum_rounded), STORE_M=bool(return_m),
+            DROPOUT=dropout,
             F32_DOT=_f32_dot(q.dtype, interp), BF16_RNE=interp and q.dtype == torch.bfloat16,
             BLOCK_M=bm, BLOCK_N=bn, D_PAD=d_pad, DV_PAD=dv_pad)
     if return_m:
@@ -262,8 +275,10 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def triton_backward(q, k, v, o, lse, do, *, causal: bool, scale: float):
-    """dq, dk, dv in fp32 from the saved forward; ``do`` in the input dtype."""
+def triton_backward(q, k, v, o, lse, do, *, causal: bool, scale: float, dropout_p: float = 0.0,
+                    seed: torch.Tensor | None = None):
+    """dq, dk, dv in fp32 from the saved forward; ``do`` in the input dtype; the forward's
+    ``dropout_p`` and ``seed``."""
     kern = _kernels()
     interp = kern.INTERPRETED
     B, H, Tq, D = q.shape
@@ -280,13 +295,15 @@ def triton_backward(q, k, v, o, lse, do, *, causal: bool, scale: float):
     kern._bwd_delta_kernel[(triton_cdiv(Tq, bmd), B * H)](
         o, do, delta, *o.stride(), *do.stride(), H, Tq, Dv, BLOCK_M=bmd, DV_PAD=dv_pad)
     strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    seed_t, thr, rp, dropout = _dropout_args(dropout_p, seed, delta)
     _launch(kern._bwd_dkdv_kernel, (triton_cdiv(Tk, bn1), B * H),
-            (q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(), H, Tq, Tk, D, Dv, float(scale)),
-            warps, stages, CAUSAL=bool(causal), F32_DOT=f32, BF16_RNE=rne,
+            (q, k, v, do, lse, delta, dk, dv, seed_t, *strides, *dk.stride(), *dv.stride(), H, Tq, Tk, D, Dv,
+             float(scale), thr, rp),
+            warps, stages, CAUSAL=bool(causal), F32_DOT=f32, BF16_RNE=rne, DROPOUT=dropout,
             BLOCK_M=bm1, BLOCK_N=bn1, D_PAD=d_pad, DV_PAD=dv_pad)
     _launch(kern._bwd_dq_kernel, (triton_cdiv(Tq, bm2), B * H),
-            (q, k, v, do, lse, delta, dq, *strides, *dq.stride(), H, Tq, Tk, D, Dv, float(scale)),
-            warps, stages, CAUSAL=bool(causal), F32_DOT=f32, BF16_RNE=rne,
+            (q, k, v, do, lse, delta, dq, seed_t, *strides, *dq.stride(), H, Tq, Tk, D, Dv, float(scale), thr, rp),
+            warps, stages, CAUSAL=bool(causal), F32_DOT=f32, BF16_RNE=rne, DROPOUT=dropout,
             BLOCK_M=bm2, BLOCK_N=bn2, D_PAD=d_pad, DV_PAD=dv_pad)
     return dq, dk, dv
 
@@ -300,20 +317,22 @@ def _operand(t, dtype):
 
 class _TritonFlashFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, stabilizer, dtype, row_sum_rounded, block_m, block_n):
+    def forward(ctx, q, k, v, causal, scale, stabilizer, dtype, row_sum_rounded, block_m, block_n, dropout_p, seed):
         qc, kc, vc = (_operand(t.detach(), dtype) for t in (q, k, v))
         o, lse = triton_forward(qc, kc, vc, causal=causal, scale=scale, stabilizer=stabilizer,
-                                row_sum_rounded=row_sum_rounded, block_m=block_m, block_n=block_n)
-        ctx.save_for_backward(qc, kc, vc, o, lse)
-        ctx.meta = (causal, scale, dtype, q.dtype, k.dtype, v.dtype)
+                                row_sum_rounded=row_sum_rounded, block_m=block_m, block_n=block_n,
+                                dropout_p=dropout_p, seed=seed)
+        ctx.save_for_backward(qc, kc, vc, o, lse, seed)
+        ctx.meta = (causal, scale, dtype, q.dtype, k.dtype, v.dtype, dropout_p)
         return o.to(q.dtype)
 
     @staticmethod
     def backward(ctx, do):
-        qc, kc, vc, o, lse = ctx.saved_tensors
-        causal, scale, dtype, qdt, kdt, vdt = ctx.meta
-        dq, dk, dv = triton_backward(qc, kc, vc, o, lse, _operand(do, dtype), causal=causal, scale=scale)
-        return dq.to(qdt), dk.to(kdt), dv.to(vdt), None, None, None, None, None, None, None
+        qc, kc, vc, o, lse, seed = ctx.saved_tensors
+        causal, scale, dtype, qdt, kdt, vdt, dropout_p = ctx.meta
+        dq, dk, dv = triton_backward(qc, kc, vc, o, lse, _operand(do, dtype), causal=causal, scale=scale,
+                                     dropout_p=dropout_p, seed=seed)
+        return (dq.to(qdt), dk.to(kdt), dv.to(vdt)) + (None,) * 9
 
 
 def triton_flash_attention(q, k, v, *, is_causal: bool = False, scale: float | None = None,
@@ -328,6 +347,8 @@ def triton_flash_attention(q, k, v, *, is_causal: bool = False, scale: float | N
     rounded to first (as ``flash_attention`` does); the output has q's dtype and the gradients
     each input's dtype. ``block_m`` / ``block_n``: the forward's tiles (powers of two in
     [16, 128]; None = the defaults). ``attn_mask`` and ``softcap`` are not supported.
+    ``dropout_p``: attention dropout with the PyTorch path's mask (same seed, same bits);
+    ``dropout_seed`` the (2,) int64 words (None: drawn from torch's default generator).
     """
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point():
@@ -336,9 +357,6 @@ def triton_flash_attention(q, k, v, *, is_causal: bool = False, scale: float | N
         raise NotImplementedError("triton backend: attn_mask is not supported (use is_causal, or backend='pytorch')")
     if softcap is not None:
         raise NotImplementedError("triton backend: softcap is not supported (use backend='pytorch')")
-    if dropout_p:
-        raise NotImplementedError(f"triton backend: dropout_p={dropout_p!r} is not supported (use backend='pytorch', "
-                                  "whose tiles apply the same counter-based dropout)")
     if precision is None:
         names = {v_: k_ for k_, v_ in _DTYPES.items()}
         if q.dtype not in names:
@@ -357,5 +375,9 @@ def triton_flash_attention(q, k, v, *, is_causal: bool = False, scale: float | N
         raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    dropout_p = check_dropout_p(dropout_p)
+    if dropout_p and dropout_seed is None:
+        dropout_seed = draw_seed()
     return _TritonFlashFn.apply(q, k, v, bool(is_causal), float(scale), stab, policy.inputs.torch_dtype,
-                                policy.row_sum_rounded, block_m, block_n)
+                                policy.row_sum_rounded, block_m, block_n, dropout_p,
+                                dropout_seed if dropout_p else None)
