@@ -186,7 +186,17 @@ def flash_attention_with_delta_hook(q, k, v, *, delta_hook, attn_mask=None, is_c
                             backend="pytorch", delta_hook=delta_hook, dropout_p=dropout_p)
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn):
+    """torch.compiler.assume_constant_result without its import of torch._dynamo (which imports
+    triton: seconds, on every `import flashguard` that touches attention). That decorator only
+    sets this attribute (torch 2.13, torch/_dynamo/decorators.py). On torch 2.13 dynamo also
+    traces _option_keys without it (test_compile passes either way); the mark spares it the
+    string parsing and the guards on it."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _option_keys(precision, stabilizer) -> tuple[str, str]:
     """The operators' strings for these options, validated. Run by torch.compile at trace time
     as a constant: resolving and encoding a policy (string parsing, dataclasses.fields) is
