@@ -63,7 +63,7 @@ def test_import_is_light():
 
 def test_works_without_triton():
     """With the triton package unimportable (sys.modules['triton'] = None) the API imports and
-    runs, and the triton backend reports itself unavailable."""
+    runs, and the triton kernel reports itself unavailable."""
     code = ("import sys; sys.modules['triton'] = None\n"
             "import torch, flashguard\n"
             "from flashguard.attention import triton_available\n"

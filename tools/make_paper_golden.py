@@ -72,7 +72,7 @@ def run_flashguard(case, device="cpu", given=None):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     o = flash_attention(*leaves, is_causal=case["causal"], precision="paper",
                         stabilizer="paper" if case["stable"] else "none", block_q=case["block"],
-                        block_k=case["block"], backend="pytorch")
+                        block_k=case["block"], kernel="pytorch")
     o.backward(do)
     return [o.detach()] + [t.grad for t in leaves]
 

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashguard.attention import flash_attention, get_stabilizer, reference_attention
-from flashguard.attention.function import choose_backend
+from flashguard.attention.function import choose_kernel
 from flashguard.attention.triton_flash import triton_available, triton_unsupported
 from flashguard.numerics import POLICIES, get_policy
 from flashguard.numerics.arith import cast
@@ -366,9 +366,9 @@ def check(case: Case) -> dict:
     kw = dict(attn_mask=mask, is_causal=case.causal, precision=case.preset, stabilizer=case.stabilizer,
               block_q=case.block_q, block_k=case.block_k)
     if case.path == "triton":
-        assert choose_backend(q, k, v, attn_mask=mask, precision=case.preset, stabilizer=case.stabilizer,
-                              block_q=case.block_q, block_k=case.block_k, backend="triton") == "triton"
-    ours = _run(lambda a, b, c: flash_attention(a, b, c, backend=case.path, **kw), q, k, v, do)
+        assert choose_kernel(q, k, v, attn_mask=mask, precision=case.preset, stabilizer=case.stabilizer,
+                             block_q=case.block_q, block_k=case.block_k, kernel="triton") == "triton"
+    ours = _run(lambda a, b, c: flash_attention(a, b, c, kernel=case.path, **kw), q, k, v, do)
     for name, t, like in zip(NAMES, ours, (q, q, k, v)):
         want = (case.b, case.h, case.tq, case.dv) if name == "O" else tuple(like.shape)
         if t.dtype != in_dt or tuple(t.shape) != want:
@@ -436,7 +436,7 @@ def check(case: Case) -> dict:
     lse_eps = 2.0 ** (math.frexp(lse_max)[1] - 1 - policy.lse.mantissa_bits) / 2 if lse_max > 0 else 0.0
     work = _working_dtype(case.preset, in_dt)
     if case.path == "triton":
-        pt = _run(lambda a, b, c: flash_attention(a, b, c, backend="pytorch", **kw), q, k, v, do)
+        pt = _run(lambda a, b, c: flash_attention(a, b, c, kernel="pytorch", **kw), q, k, v, do)
         yard, factor = [_max_err(a, r) for a, r in zip(pt, ref)], 2.0
         floors = [FLOOR[work] * max(_size(r), n) for r, n in zip(ref, nat)]
     elif work is None:  # fp8: eps/2 of the format, relative to the tensor's size

@@ -153,26 +153,83 @@ def test_autocast_does_not_leak_into_the_fp32_policy():
     assert inside.dtype == torch.float32 and torch.equal(plain, inside)
 
 
-def test_backend_argument():
-    """backend="pytorch" is the tiled implementation; "auto" picks it on CPU (triton needs
+def test_kernel_argument():
+    """kernel="pytorch" is the tiled implementation; "auto" picks it on CPU (triton needs
     CUDA); unknown names fail in flash_attention and at override_sdpa's `with`."""
-    from flashguard.attention import choose_backend, triton_available
+    from flashguard.attention import KERNELS, choose_kernel, triton_available
 
+    assert KERNELS == ("auto", "pytorch", "triton")
     q = torch.randn(1, 2, 16, 8)
-    assert choose_backend(q, q, q) == "pytorch"
-    assert choose_backend(q, q, q, backend="triton") == "triton"
+    assert choose_kernel(q, q, q) == "pytorch"
+    assert choose_kernel(q, q, q, kernel="triton") == "triton"
     assert isinstance(triton_available(), bool)
     a = flash_attention(q, q, q, is_causal=True, stabilizer="safe")
-    b = flash_attention(q, q, q, is_causal=True, stabilizer="safe", backend="pytorch")
+    b = flash_attention(q, q, q, is_causal=True, stabilizer="safe", kernel="pytorch")
     assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
-        flash_attention(q, q, q, backend="cuda")
-    with pytest.raises(ValueError, match="unknown backend"):
-        with override_sdpa(backend="fast"):
+    with pytest.raises(ValueError, match="unknown kernel 'cuda'"):
+        flash_attention(q, q, q, kernel="cuda")
+    with pytest.raises(ValueError, match="unknown kernel"):
+        with override_sdpa(kernel="fast"):
             pass
-    with override_sdpa(backend="pytorch"):
+    with override_sdpa(kernel="pytorch"):
         assert torch.equal(F.scaled_dot_product_attention(q, q, q, is_causal=True),
                            flash_attention(q, q, q, is_causal=True))
+
+
+def test_backend_is_the_deprecated_name_of_kernel():
+    """kernel= was called backend= (a word now kept for a model layer's sdpa | flash | math):
+    the old keyword still works in flash_attention, the SDPA drop-in and override_sdpa, with a
+    DeprecationWarning naming kernel= at the caller's line, and gives the same bits; both at once
+    is a TypeError. The old names choose_backend and KERNEL_BACKENDS warn the same way."""
+    import flashguard.attention as fa
+    from flashguard.attention import KERNELS, choose_kernel
+
+    q = torch.randn(1, 2, 16, 8)
+    new = flash_attention(q, q, q, is_causal=True, stabilizer="safe", kernel="pytorch")
+    with pytest.warns(DeprecationWarning, match=r"flash_attention\(\): backend= is now called kernel=.*"
+                                                r"kernel='pytorch'") as rec:
+        old = flash_attention(q, q, q, is_causal=True, stabilizer="safe", backend="pytorch")
+    assert torch.equal(old, new) and rec[0].filename == __file__
+    with pytest.raises(TypeError, match="both kernel='pytorch' and backend='pytorch'"):
+        flash_attention(q, q, q, kernel="pytorch", backend="pytorch")
+    with pytest.raises(TypeError, match="both kernel='auto'"):  # an explicit "auto" is still both
+        flash_attention(q, q, q, kernel="auto", backend="pytorch")
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="unknown kernel 'cuda'"):
+        flash_attention(q, q, q, backend="cuda")
+
+    with pytest.warns(DeprecationWarning, match=r"scaled_dot_product_attention\(\): backend= .*kernel=") as rec:
+        old = scaled_dot_product_attention(q, q, q, is_causal=True, stabilizer="safe", backend="pytorch")
+    assert torch.equal(old, new) and rec[0].filename == __file__
+    with pytest.raises(TypeError, match="both kernel="):
+        scaled_dot_product_attention(q, q, q, kernel="pytorch", backend="pytorch")
+
+    with pytest.warns(DeprecationWarning, match=r"override_sdpa\(\): backend= .*kernel='pytorch'") as rec:
+        with override_sdpa(stabilizer="safe", backend="pytorch"):
+            old = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert torch.equal(old, new) and rec[0].filename == __file__ and len(rec) == 1  # once, at the `with`
+    with pytest.raises(TypeError, match="both kernel="):
+        with override_sdpa(kernel="pytorch", backend="pytorch"):
+            pass
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="unknown kernel 'fast'"):
+        with override_sdpa(backend="fast"):
+            pass
+
+    with pytest.warns(DeprecationWarning, match="choose_backend is now called choose_kernel"):
+        assert fa.choose_backend(q, q, q, backend="triton") == choose_kernel(q, q, q, kernel="triton") == "triton"
+    with pytest.warns(DeprecationWarning, match="KERNEL_BACKENDS is now called KERNELS"):
+        assert fa.KERNEL_BACKENDS == KERNELS
+    with pytest.warns(DeprecationWarning, match="KERNEL_BACKENDS is now called KERNELS"):
+        assert fa.function.KERNEL_BACKENDS == KERNELS
+
+
+def test_the_new_keyword_does_not_warn(recwarn):
+    q = torch.randn(1, 1, 8, 4)
+    flash_attention(q, q, q, kernel="pytorch")
+    flash_attention(q, q, q)
+    scaled_dot_product_attention(q, q, q, kernel="auto")
+    with override_sdpa(kernel="pytorch"):
+        F.scaled_dot_product_attention(q, q, q)
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
 
 
 def test_triton_backend_refuses_unsupported_features_without_running():
@@ -190,4 +247,4 @@ def test_triton_backend_refuses_unsupported_features_without_running():
                                             torch.randn(1, 1, 8, 256), need_device=False)
     assert triton_unsupported(q, q, q, stabilizer="paper:beta=7", block_q=64, need_device=False) is None
     with pytest.raises(NotImplementedError, match="softcap"):
-        flash_attention(q, q, q, softcap=5.0, backend="triton")
+        flash_attention(q, q, q, softcap=5.0, kernel="triton")

@@ -114,11 +114,11 @@ def test_compiled_dropout_draws_the_eager_seed_and_is_reproducible():
         assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
 
 
-def test_triton_backend_is_refused_under_compile():
+def test_triton_kernel_is_refused_under_compile():
     q, k, v = _qkv()
     torch._dynamo.reset()
-    f = torch.compile(lambda q, k, v: flash_attention(q, k, v, backend="triton"), fullgraph=True, backend="eager")
-    with pytest.raises(Exception, match="backend='triton' is not supported under torch.compile"):
+    f = torch.compile(lambda q, k, v: flash_attention(q, k, v, kernel="triton"), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="kernel='triton' is not supported under torch.compile"):
         f(q, k, v)
 
 

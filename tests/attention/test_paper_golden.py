@@ -47,7 +47,7 @@ def _ours(case, stabilizer=None, device="cpu", certificate=None):
     stab = stabilizer or ("paper" if case["stable"] else "none")
     with certificate or contextlib.nullcontext():
         o = flash_attention(*leaves, is_causal=case["causal"], precision="paper", stabilizer=stab,
-                            block_q=case["block"], block_k=case["block"], backend="pytorch")
+                            block_q=case["block"], block_k=case["block"], kernel="pytorch")
         o.backward(do.to(device))
     return [o.detach()] + [t.grad for t in leaves]
 

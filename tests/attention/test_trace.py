@@ -116,7 +116,40 @@ def test_bad_arguments_are_named():
         trace(q[0], k, v, None, "fa2")
     with pytest.raises(TypeError, match="arithmetic must be"):
         trace(q, k, v, do, 3)
-    with pytest.raises(ValueError, match="backend"):
-        Arithmetic.of("fa2", backend="cuda")
+    with pytest.raises(ValueError, match="Arithmetic.kernel must be one of"):
+        Arithmetic.of("fa2", kernel="cuda")
     with pytest.raises(ValueError, match="unknown precision"):
         trace(q, k, v, do, "fa3")
+
+
+def test_backend_is_the_deprecated_name_of_kernel():
+    """Arithmetic's kernel was called backend: Arithmetic(..., backend=) and Arithmetic.of(..., backend=)
+    still build the same arithmetic with a DeprecationWarning naming kernel=, .backend reads .kernel
+    (warning), both at once is a TypeError; dataclasses.replace takes kernel=."""
+    import dataclasses
+    import flashguard.attention.trace as tr
+
+    new = Arithmetic.of("paper", "safe", block_q=16, kernel="pytorch")
+    assert new.kernel == "pytorch" and Arithmetic.of("fa2") == Arithmetic(get_policy("fa2"))
+    with pytest.warns(DeprecationWarning, match=r"Arithmetic.of\(\): backend= is now called kernel=") as rec:
+        assert Arithmetic.of("paper", "safe", block_q=16, backend="pytorch") == new
+    assert rec[0].filename == __file__
+    with pytest.warns(DeprecationWarning, match=r"Arithmetic\(\): backend= is now called kernel=") as rec:
+        old = Arithmetic(new.policy, new.stabilizer, 16, 512, backend="pytorch")
+    assert old == new and hash(old) == hash(new) and rec[0].filename == __file__
+    with pytest.warns(DeprecationWarning, match="Arithmetic.backend is now called Arithmetic.kernel"):
+        assert new.backend == "pytorch"
+    with pytest.raises(TypeError, match="both kernel='pytorch' and backend='triton'"):
+        Arithmetic.of("fa2", kernel="pytorch", backend="triton")
+    with pytest.raises(TypeError, match="both kernel="):
+        Arithmetic(new.policy, kernel="pytorch", backend="pytorch")
+    assert dataclasses.replace(new, kernel="triton").kernel == "triton"
+    with pytest.raises(ValueError, match="Arithmetic.kernel must be one of"):
+        dataclasses.replace(new, kernel="auto")
+    with pytest.warns(DeprecationWarning, match="ARITH_BACKENDS is now called ARITH_KERNELS"):
+        assert tr.ARITH_BACKENDS == tr.ARITH_KERNELS == ("pytorch", "triton")
+    q, k, v, do = _inputs(1, 1, 8, 8, 4)
+    with pytest.warns(DeprecationWarning):
+        old = Arithmetic.of("paper", "safe", block_q=4, block_k=4, backend="pytorch")
+    a, b = trace(q, k, v, do, old), trace(q, k, v, do, Arithmetic.of("paper", "safe", block_q=4, block_k=4))
+    assert a.label == b.label and torch.equal(a.o, b.o) and torch.equal(a.dq, b.dq)

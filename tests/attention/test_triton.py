@@ -79,7 +79,7 @@ def _check_against_reference(q, k, v, do, causal, stabilizer, floor):
                                                       block_m=TILE, block_n=TILE), q, k, v, do)
     pt = _run(lambda a, b, c: flash_attention(a, b, c, is_causal=causal, stabilizer=stabilizer,
                                               precision=PRESET[q.dtype], block_q=TILE, block_k=TILE,
-                                              backend="pytorch"), q, k, v, do)
+                                              kernel="pytorch"), q, k, v, do)
     assert tri[0].dtype == q.dtype and tri[0].shape == ref[0].shape
     assert all(torch.isfinite(t).all() for t in tri)
     e_tri, e_pt = _errors(tri, ref), _errors(pt, ref)
@@ -109,15 +109,15 @@ def test_matches_reference_tq_ne_tk(tq, tk, causal):
 
 
 def test_value_head_dim_and_fp32_api_inputs():
-    """D_v != D, and fp32 tensors through flash_attention(precision="fa2", backend="triton"):
+    """D_v != D, and fp32 tensors through flash_attention(precision="fa2", kernel="triton"):
     rounded to bf16 inside, gradients returned in fp32 as the pytorch path returns them."""
     g = torch.Generator().manual_seed(2)
     q, k = (torch.randn(1, 2, 50, 24, generator=g).to(DEVICE) for _ in range(2))
     v = torch.randn(1, 2, 50, 40, generator=g).to(DEVICE)
     do = torch.randn(1, 2, 50, 40, generator=g).to(DEVICE)
     kw = dict(is_causal=True, precision="fa2", block_q=TILE, block_k=TILE)
-    tri = _run(lambda a, b, c: flash_attention(a, b, c, backend="triton", **kw), q, k, v, do)
-    pt = _run(lambda a, b, c: flash_attention(a, b, c, backend="pytorch", **kw), q, k, v, do)
+    tri = _run(lambda a, b, c: flash_attention(a, b, c, kernel="triton", **kw), q, k, v, do)
+    pt = _run(lambda a, b, c: flash_attention(a, b, c, kernel="pytorch", **kw), q, k, v, do)
     for a, b in zip(tri, pt):
         assert a.dtype == torch.float32 and a.shape == b.shape
         assert ((a - b).abs().max() / b.abs().max()).item() < 2e-2
@@ -145,8 +145,8 @@ def test_row_sum_rounded():
     pol = get_policy("fa2[row_sum_rounded=true]")
     ref = reference_attention(q.double(), k.double(), v.double())
     out = {}
-    for backend in ("triton", "pytorch"):
-        out[backend] = flash_attention(q, k, v, precision=pol, block_q=TILE, block_k=TILE, backend=backend)
+    for kernel in ("triton", "pytorch"):
+        out[kernel] = flash_attention(q, k, v, precision=pol, block_q=TILE, block_k=TILE, kernel=kernel)
     e_tri, e_pt = ((o.double() - ref).abs().max().item() for o in (out["triton"], out["pytorch"]))
     assert e_tri <= 2 * e_pt + 1e-3
 
@@ -246,7 +246,7 @@ def test_unsupported_features_raise(kwargs, feature):
     if "attn_mask" in kwargs:
         kwargs = dict(kwargs, attn_mask=kwargs["attn_mask"].to(DEVICE))
     with pytest.raises(NotImplementedError, match=feature):
-        flash_attention(q, q, q, backend="triton", **kwargs)
+        flash_attention(q, q, q, kernel="triton", **kwargs)
     # auto falls back to the pytorch implementation instead
     assert torch.isfinite(flash_attention(q, q, q, **kwargs)).all()
 
@@ -259,16 +259,16 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="block_m"):
         triton_flash_attention(q, q, q, block_m=48)
     with pytest.raises(ValueError, match="block_q"):
-        flash_attention(q, q, q, block_q=48, backend="triton")
+        flash_attention(q, q, q, block_q=48, kernel="triton")
     with pytest.raises(NotImplementedError, match="float64"):
         triton_flash_attention(q.double(), q.double(), q.double())
 
 
-def test_override_sdpa_triton_backend():
+def test_override_sdpa_triton_kernel():
     import torch.nn.functional as F
 
     q, k, v, _ = _inputs(1, 2, 40, 40, 16, torch.float16, seed=7)
-    with override_sdpa(precision="fa2-fp16", stabilizer="safe", backend="triton", block_q=TILE, block_k=TILE):
+    with override_sdpa(precision="fa2-fp16", stabilizer="safe", kernel="triton", block_q=TILE, block_k=TILE):
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     expect = triton_flash_attention(q, k, v, is_causal=True, stabilizer="safe", block_m=TILE, block_n=TILE)
     assert torch.equal(o, expect)
@@ -286,7 +286,7 @@ def test_dropout_keeps_the_pytorch_paths_bits(p):
     torch.manual_seed(3)
     seed = draw_seed()
     torch.manual_seed(3)
-    o = flash_attention(q, q, v, precision="fp32", backend="triton", dropout_p=p)
+    o = flash_attention(q, q, v, precision="fp32", kernel="triton", dropout_p=p)
     assert torch.equal((o != 0).cpu(), dropout_keep_mask(seed, p, B, H, T, T))
     torch.testing.assert_close(o[o != 0], torch.full_like(o[o != 0], 1 / (T * (1 - p))), rtol=1e-6, atol=0)
 
@@ -299,10 +299,10 @@ def test_dropout_forward_and_backward_match_the_pytorch_path(dtype, causal):
     accumulation orders)."""
     q, k, v, do = _inputs(1, 2, 40, 40, 16, dtype, seed=4)
     outs = []
-    for backend in ("triton", "pytorch"):
+    for kernel in ("triton", "pytorch"):
         torch.manual_seed(8)
         outs.append(_run(lambda a, b, c: flash_attention(a, b, c, is_causal=causal, precision=PRESET[dtype],
-                                                         backend=backend, dropout_p=0.3, block_q=TILE,
+                                                         kernel=kernel, dropout_p=0.3, block_q=TILE,
                                                          block_k=TILE), q, k, v, do))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for a, b in zip(*outs):
@@ -351,13 +351,13 @@ def test_gpu_bf16_realistic(d, causal):
 
 
 @gpu
-def test_gpu_auto_backend_is_triton():
-    from flashguard.attention import choose_backend
+def test_gpu_auto_kernel_is_triton():
+    from flashguard.attention import choose_kernel
 
     q = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
-    assert choose_backend(q, q, q) == "triton"
-    assert choose_backend(q, q, q, precision="paper") == "pytorch"
-    assert choose_backend(q, q, q, softcap=30.0) == "pytorch"
+    assert choose_kernel(q, q, q) == "triton"
+    assert choose_kernel(q, q, q, precision="paper") == "pytorch"
+    assert choose_kernel(q, q, q, softcap=30.0) == "pytorch"
 
 
 @gpu
@@ -377,7 +377,7 @@ def test_gpu_speed_against_pytorch_path():
         return start.elapsed_time(end) / reps
 
     t_tri = timed(lambda: _run(lambda a, b, c: triton_flash_attention(a, b, c, is_causal=True), q, k, v, do))
-    t_pt = timed(lambda: _run(lambda a, b, c: flash_attention(a, b, c, is_causal=True, backend="pytorch",
+    t_pt = timed(lambda: _run(lambda a, b, c: flash_attention(a, b, c, is_causal=True, kernel="pytorch",
                                                               block_q=128, block_k=128), q, k, v, do), reps=2)
     print(f"fwd+bwd T=2048: triton {t_tri:.2f} ms, pytorch tiles {t_pt:.2f} ms")
     assert t_tri * 5 < t_pt

@@ -259,6 +259,25 @@ def test_register_checks_its_options():
     assert "fg-test-bad" not in transformers.AttentionInterface()
 
 
+def test_register_backend_is_the_deprecated_name_of_kernel():
+    """register's kernel= was called backend=: still accepted, with a DeprecationWarning naming
+    kernel=, bound as kernel (the same logits); both at once is a TypeError."""
+    assert "kernel" in hf.OPTIONS and "backend" not in hf.OPTIONS
+    state, x = _weights("gpt2"), _tokens()
+    hf.register(precision="fp32", name="fg-test-kernel", kernel="pytorch")
+    with pytest.warns(DeprecationWarning, match=r"register\(\): backend= is now called kernel=.*'pytorch'") as rec:
+        hf.register(precision="fp32", name="fg-test-backend", backend="pytorch")
+    assert rec[0].filename == __file__
+    with torch.no_grad():
+        assert torch.equal(_model("gpt2", "fg-test-kernel", torch.bfloat16, state)(x).logits,
+                           _model("gpt2", "fg-test-backend", torch.bfloat16, state)(x).logits)
+    with pytest.raises(TypeError, match="both kernel="):
+        hf.register(name="fg-test-bad", kernel="pytorch", backend="pytorch")
+    with pytest.raises(ValueError, match="unknown kernel 'cuda'"):
+        hf.register(name="fg-test-bad", kernel="cuda")
+    assert "fg-test-bad" not in transformers.AttentionInterface()
+
+
 def test_unsupported_features_are_refused():
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(NotImplementedError, match="position_bias"):

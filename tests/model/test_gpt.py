@@ -412,6 +412,8 @@ def test_softcap_is_passed_to_the_attention(monkeypatch):
     ({"n_head": True}, "n_head"), ({"n_embd": 0}, "n_embd"), ({"n_embd": 100, "n_head": 3}, "n_embd"),
     ({"bias": 1}, "bias"), ({"qk_layernorm": "yes"}, "qk_layernorm"),
     ({"dropout": 1.0}, "dropout"), ({"dropout": -0.1}, "dropout"),
+    ({"attn_dropout": 1.0}, "attn_dropout"), ({"attn_dropout": -0.1}, "attn_dropout"),
+    ({"attn_dropout": "0.1"}, "attn_dropout"), ({"attn_dropout": None}, "attn_dropout"),
     ({"attn_softcap": 0.0}, "attn_softcap"), ({"attn_softcap": float("inf")}, "attn_softcap"),
     ({"attn_softcap": -1.0}, "attn_softcap"), ({"attn_softcap": "30"}, "attn_softcap"),
     ({"z_loss": -1e-4}, "z_loss"), ({"z_loss": float("nan")}, "z_loss"),
@@ -493,6 +495,129 @@ def test_dropout_only_in_training():
     assert torch.equal(model(idx, tgt)[0], model(idx, tgt)[0])
 
 
+# ---- attention dropout ---------------------------------------------------------------------
+
+DROP_SPECS = {"sdpa": AttentionSpec("sdpa"), "flash": AttentionSpec("flash", precision="paper", block_q=16, block_k=16),
+              "math": AttentionSpec("math")}
+
+
+def _step(model, idx, tgt, autocast=False):
+    """Logits and every parameter gradient of one forward + backward."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits, loss = model(idx, tgt)
+    loss.backward()
+    return [logits.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
+def _digest(tensors) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _platform() -> str:
+    """A hash of this machine's CPU arithmetic on random data (bf16 and fp32 matmuls, softmax,
+    LayerNorm, GELU): platforms whose kernels round differently get different ones."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(256, 64, generator=g), torch.randn(64, 192, generator=g)
+    return _digest([a.bfloat16() @ b.bfloat16(), a @ b, torch.softmax(a, -1), F.layer_norm(a, (64,)),
+                    F.gelu(a, approximate="tanh")])
+
+
+# sha256 of (bf16 logits, every gradient) on the micro model, recorded before attn_dropout existed
+# (torch 2.13.0+cpu, oneDNN AMX; _platform() == "5499006c8d7246a8"): the default (0) leaves every
+# backend's numbers where they were
+BEFORE_ATTN_DROPOUT = {"sdpa": "ba1a66e328b78ec3", "flash": "ecd39b86089c3b60", "math": "02ae1614f7ed802f"}
+BEFORE_PLATFORM = ("2.13.0+cpu", "5499006c8d7246a8")
+
+
+@pytest.mark.parametrize("backend", sorted(DROP_SPECS))
+def test_attn_dropout_default_is_bit_identical(backend):
+    """attn_dropout = 0 (the default) is no dropout at all: training mode gives the bits of eval
+    mode, draws nothing from torch's generator, and (on the build they were recorded on) the
+    logits and gradients hash as before the option existed."""
+    assert MICRO.attn_dropout == 0.0
+    spec = AttentionSpec("flash", precision="paper") if backend == "flash" else AttentionSpec(backend)
+    torch.manual_seed(0)
+    model = GPT(MICRO, spec)
+    idx, tgt = torch.randint(0, 256, (4, 64)), torch.randint(0, 256, (4, 64))
+    train = _step(model, idx, tgt, autocast=True)
+    after = torch.randint(0, 1000, (1,)).item()
+    torch.manual_seed(0)
+    GPT(MICRO, spec)
+    torch.randint(0, 256, (4, 64)), torch.randint(0, 256, (4, 64))
+    assert torch.randint(0, 1000, (1,)).item() == after  # the step drew nothing
+    evals = _step(model.eval(), idx, tgt, autocast=True)
+    assert all(torch.equal(a, b) for a, b in zip(train, evals))
+    if (torch.__version__, _platform()) == BEFORE_PLATFORM:  # elsewhere the kernels round differently
+        assert _digest(train) == BEFORE_ATTN_DROPOUT[backend]
+
+
+@pytest.mark.parametrize("backend", sorted(DROP_SPECS))
+def test_attn_dropout_in_training_only_and_reproducible(backend):
+    """attn_dropout > 0 changes the training-mode output (logits and gradients), not the eval-mode
+    one (the same weights without it give the same bits), and torch.manual_seed reproduces it."""
+    spec = DROP_SPECS[backend]
+    plain = make(MICRO, spec)
+    drop = make(dataclasses.replace(MICRO, attn_dropout=0.25), spec)
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), drop.state_dict().values()))
+    idx, tgt = batch(T=40)
+    torch.manual_seed(5)
+    ref = _step(plain, idx, tgt)
+    torch.manual_seed(5)
+    a = _step(drop, idx, tgt)
+    torch.manual_seed(5)
+    b = _step(drop, idx, tgt)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))           # reproducible from the seed
+    assert not torch.equal(a[0], ref[0]) and not torch.equal(a[1], ref[1])
+    c = _step(drop, idx, tgt)                                     # the generator moved on: new masks
+    assert not torch.equal(a[0], c[0])
+    plain.eval(), drop.eval()
+    assert all(torch.equal(x, y) for x, y in zip(_step(plain, idx, tgt), _step(drop, idx, tgt)))
+
+
+def test_attn_dropout_reaches_each_backend(monkeypatch):
+    """The model passes dropout_p = attn_dropout while training (0 in eval) to torch's SDPA and to
+    flash_attention (also on the injection's delta-hook path)."""
+    seen = []
+    for name in ("flash_attention", "flash_attention_with_delta_hook"):
+        real = getattr(attention_module, name)
+        monkeypatch.setattr(attention_module, name,
+                            lambda *a, _real=real, **kw: (seen.append(kw["dropout_p"]), _real(*a, **kw))[1])
+    real_sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: (seen.append(kw["dropout_p"]), real_sdpa(*a, **kw))[1])
+    cfg = dataclasses.replace(MICRO, n_layer=3, attn_dropout=0.1)
+    specs = [AttentionSpec("sdpa"), AttentionSpec("flash", precision="fp32"),
+             AttentionSpec("flash", precision="fp32", delta_hook=lambda d, **kw: d)]
+    model = make(cfg, specs)
+    idx, tgt = batch(T=16)
+    model(idx, tgt)
+    assert seen == [0.1] * 3
+    model.eval()
+    model(idx, tgt)
+    assert seen[3:] == [0.0] * 3
+
+
+def test_math_backend_drops_what_flash_drops():
+    """The math backend's dropout uses flashguard's keep mask with a seed drawn as flash_attention
+    draws it: from the same generator state, the fp32 formula and the fp32 flash arithmetic agree
+    to fp32 rounding (so they agree in expectation too); a cheap mask, no refusal needed."""
+    q, k, v = (torch.randn(2, 3, 24, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    torch.manual_seed(3)
+    m = attention_module.attend(AttentionSpec("math"), q, k, v, dropout_p=0.3)
+    torch.manual_seed(3)
+    f = attention_module.attend(AttentionSpec("flash", precision="fp32", block_q=8, block_k=8), q, k, v,
+                                dropout_p=0.3)
+    torch.testing.assert_close(m, f, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(m, attention_module.attend(AttentionSpec("math"), q, k, v))
+    with pytest.raises(ValueError, match="dropout_p must be a number in"):
+        attention_module.attend(AttentionSpec("math"), q, k, v, dropout_p=1.5)
+
+
 def test_flops_per_token():
     with torch.device("meta"):
         model = GPT(model_config("gpt2-124m"))
@@ -514,7 +639,7 @@ def test_set_attention_switches_backends_on_the_same_weights():
 
 
 def test_attention_spec_kernel_is_checked_and_reaches_flash_attention(monkeypatch):
-    """The spec's kernel (flash_attention's backend=) and tiles go to the call; triton is refused
+    """The spec's kernel (flash_attention's kernel=) and tiles go to the call; triton is refused
     for settings it cannot run, by field (SpecError.field), and under soft-capping."""
     from flashguard.model import KERNELS, SpecError
     assert KERNELS == ("auto", "pytorch", "triton") and AttentionSpec().kernel == "auto"
@@ -538,10 +663,10 @@ def test_attention_spec_kernel_is_checked_and_reaches_flash_attention(monkeypatc
 
     def spy(*a, **kw):
         seen.update(kw)
-        return real(*a, **{**kw, "backend": "pytorch"})
+        return real(*a, **{**kw, "kernel": "pytorch"})
     monkeypatch.setattr(attention_module, "flash_attention", spy)
     model = GPT(MICRO, AttentionSpec("flash", precision="fp32", kernel="pytorch", block_q=8, block_k=16))
     model(torch.randint(0, MICRO.vocab_size, (1, 16)))
-    assert (seen["backend"], seen["block_q"], seen["block_k"]) == ("pytorch", 8, 16)
+    assert (seen["kernel"], seen["block_q"], seen["block_k"]) == ("pytorch", 8, 16)
     q = torch.randn(1, 2, 8, 16)
     assert AttentionSpec("flash", precision="fa2").kernel_for(q, q, q) == "pytorch"  # auto on CPU

@@ -54,6 +54,28 @@ def test_resume_equals_uninterrupted_bit_for_bit(tiny_data, tmp_path, monkeypatc
     assert JsonlLog.read(crashed / "batches.jsonl") == JsonlLog.read(full / "batches.jsonl")
 
 
+def test_attn_dropout_trains_and_resumes_bit_for_bit(tiny_data, tmp_path, monkeypatch):
+    """model.attn_dropout = 0.1 (saved in config.toml) changes the losses of the micro run, and a
+    crashed run resumes to exactly the uninterrupted one's: the masks' seeds come from torch's
+    generator, whose state the checkpoint holds."""
+    over = micro_overrides(tiny_data, **{"model.attn_dropout": 0.1})
+    full, plain = tmp_path / "full", tmp_path / "plain"
+    train(load_config(MICRO, over), full)
+    assert load_config(full / "config.toml").model.attn_dropout == 0.1
+    train(load_config(MICRO, micro_overrides(tiny_data)), plain)
+    assert load_config(plain / "config.toml").model.attn_dropout == 0.0
+    assert _losses(full)[0] != _losses(plain)[0]
+    crashed = tmp_path / "crashed"
+    crash_at(monkeypatch, 4)
+    with pytest.raises(KeyboardInterrupt):
+        train(load_config(MICRO, over), crashed)
+    monkeypatch.undo()
+    train(load_config(MICRO, over), crashed, resume=True)
+    assert _losses(crashed) == _losses(full)  # exact equality of floats
+    vals = lambda run: [r["loss/val"] for r in JsonlLog.read(run / "metrics.jsonl") if "loss/val" in r]  # noqa: E731
+    assert vals(crashed) == vals(full)
+
+
 def test_replay_uses_the_logged_batches(tiny_data, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     train(load_config(MICRO, micro_overrides(tiny_data)), a)
@@ -96,6 +118,8 @@ def test_divergence_can_continue(tiny_data, tmp_path):
     ({"model.block_size": 10**6}, "block_size"),
     ({"train.bogus": 1}, "train.bogus"),
     ({"train.steps": '"many"'}, "train.steps"),
+    ({"model.attn_dropout": 1.0}, "model: GPTConfig.attn_dropout must be a number in [0, 1)"),
+    ({"model.attn_dropout": '"high"'}, "model.attn_dropout must be float"),
 ])
 def test_bad_input_is_one_clear_line(tiny_data, tmp_path, capsys, extra, msg):
     code = main(["train", str(MICRO), "--out", str(tmp_path / "run")] + micro_overrides(tiny_data, **extra))

@@ -13,12 +13,20 @@ small CPU models. ``flash_attention_with_delta_hook`` (a Python callable in back
 operator cannot take) always runs as the Function.
 ``dropout_p > 0`` drops attention probabilities as SDPA does (``.dropout``: a counter-based
 mask, regenerated in backward, seeded from torch's default generator).
+
+Names: the ``kernel`` (``auto`` | ``pytorch`` | ``triton``) is the implementation that runs the
+arithmetic. It used to be called ``backend``, the word now kept for a model layer's attention
+choice (sdpa | flash | math, flashguard.model.AttentionSpec): ``backend=`` is still accepted by
+``flash_attention``, ``scaled_dot_product_attention`` and ``override_sdpa`` with a
+DeprecationWarning naming ``kernel=`` (both at once is a TypeError), and ``KERNEL_BACKENDS`` /
+``choose_backend`` still work, with a DeprecationWarning, as ``KERNELS`` / ``choose_kernel``.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import numbers
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -31,18 +39,75 @@ from .ops import encode_policy, encode_stabilizer, flash_attention_op
 from .stabilizers import Stabilizer, get_stabilizer
 from .triton_flash import triton_available, triton_flash_attention, triton_unsupported
 
-__all__ = ["flash_attention", "scaled_dot_product_attention", "override_sdpa", "DEFAULT_BLOCK", "KERNEL_BACKENDS",
-           "choose_backend", "flash_attention_with_delta_hook"]
+__all__ = ["flash_attention", "scaled_dot_product_attention", "override_sdpa", "DEFAULT_BLOCK", "KERNELS",
+           "choose_kernel", "flash_attention_with_delta_hook"]
 
 # Tile edge used when block_q / block_k are not given: the study's reference code uses 512,
 # and on CPU large tiles keep the Python loop short. Production GPU kernels use 64-128.
 DEFAULT_BLOCK = 512
 
-# Which implementation runs: "pytorch" (the tiled PyTorch FA2 of .flash: any policy, any
-# device, every intermediate rounded as the policy says), "triton" (fused kernels of
+# The kernel, which implementation runs: "pytorch" (the tiled PyTorch FA2 of .flash: any policy,
+# any device, every intermediate rounded as the policy says), "triton" (fused kernels of
 # .triton_flash: fa2-structured policies, no masks or soft-capping), or "auto": triton when
 # q is on CUDA, triton imports and the call is one the kernels support, else pytorch.
-KERNEL_BACKENDS = ("auto", "pytorch", "triton")
+KERNELS = ("auto", "pytorch", "triton")
+
+
+class _KernelDefault:
+    """The default of ``kernel=`` ("auto"), an object of its own so that an explicit ``kernel=``
+    next to its old name ``backend=`` can be told from the default and refused."""
+
+    __slots__ = ()
+
+    def __repr__(self):  # what help() and inspect.signature show
+        return "'auto'"
+
+
+class _Unset:
+    """The default of the deprecated ``backend=``: not given."""
+
+    __slots__ = ()
+
+    def __repr__(self):
+        return "<deprecated: use kernel=>"
+
+
+_AUTO = _KernelDefault()
+_UNSET = _Unset()
+
+
+def _deprecated_backend(where: str, kernel, backend, stacklevel: int):
+    """``kernel=`` from a call that may use its old name ``backend=`` (_UNSET: not given): the old
+    name with a DeprecationWarning naming the new one; both given is a TypeError. The default
+    (_AUTO) becomes "auto"."""
+    if backend is not _UNSET:
+        if kernel is not _AUTO:
+            raise TypeError(f"{where} got both kernel={kernel!r} and backend={backend!r}; backend= is the old "
+                            "name of kernel=: pass kernel= only")
+        warnings.warn(f"{where}: backend= is now called kernel= (auto | pytorch | triton; 'backend' names a "
+                      f"model layer's attention, sdpa | flash | math): write kernel={backend!r}",
+                      DeprecationWarning, stacklevel=stacklevel + 1)
+        return backend
+    return "auto" if kernel is _AUTO else kernel
+
+
+def _renamed_options(where: str, options: dict, stacklevel: int) -> dict:
+    """``options`` (flash_attention's keywords) with the old name ``backend`` given as ``kernel``
+    (a DeprecationWarning; TypeError when both are there)."""
+    if "backend" not in options:
+        return options
+    options = dict(options)
+    backend = options.pop("backend")
+    options["kernel"] = _deprecated_backend(where, options.pop("kernel", _AUTO), backend, stacklevel + 1)
+    return options
+
+
+def __getattr__(name):  # the old names of KERNELS and choose_kernel, with a DeprecationWarning
+    new = {"KERNEL_BACKENDS": "KERNELS"}.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"flashguard.attention.function.{name} is now called {new}", DeprecationWarning, stacklevel=2)
+    return globals()[new]
 
 
 class _FlashAttentionFn(torch.autograd.Function):
@@ -121,18 +186,18 @@ def _check_inputs(q, k, v, attn_mask):
                          f"(batch, heads, T_q, T_k) = {target}")
 
 
-def _check_backend(backend):
-    if backend not in KERNEL_BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(KERNEL_BACKENDS)}")
-    return backend
+def _check_kernel(kernel):
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; known: {', '.join(KERNELS)}")
+    return kernel
 
 
-def choose_backend(q, k, v, *, attn_mask=None, precision="fa2", stabilizer="none", block_q=None,
-                   block_k=None, softcap=None, backend="auto", dropout_p=0.0) -> str:
-    """The implementation ``flash_attention`` runs for these arguments: "pytorch" or "triton"."""
-    _check_backend(backend)
-    if backend != "auto":
-        return backend
+def choose_kernel(q, k, v, *, attn_mask=None, precision="fa2", stabilizer="none", block_q=None,
+                  block_k=None, softcap=None, kernel="auto", dropout_p=0.0) -> str:
+    """The kernel ``flash_attention`` runs for these arguments: "pytorch" or "triton"."""
+    _check_kernel(kernel)
+    if kernel != "auto":
+        return kernel
     if not q.is_cuda or not triton_available():
         return "pytorch"
     reason = triton_unsupported(q, k, v, attn_mask=attn_mask, softcap=softcap, precision=precision,
@@ -140,11 +205,19 @@ def choose_backend(q, k, v, *, attn_mask=None, precision="fa2", stabilizer="none
     return "pytorch" if reason else "triton"
 
 
+def choose_backend(q, k, v, *, backend="auto", **kwargs) -> str:
+    """Deprecated: the old name of ``choose_kernel`` (and ``backend=`` of its ``kernel=``)."""
+    warnings.warn("flashguard.attention.choose_backend is now called choose_kernel, and its backend= argument "
+                  f"kernel=: write choose_kernel(..., kernel={backend!r})", DeprecationWarning, stacklevel=2)
+    return choose_kernel(q, k, v, kernel=backend, **kwargs)
+
+
 def flash_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
                     precision: "str | PrecisionPolicy" = "fa2",
                     stabilizer: "str | Stabilizer" = "none",
                     block_q: int | None = None, block_k: int | None = None,
-                    softcap: float | None = None, backend: str = "auto", dropout_p: float = 0.0) -> torch.Tensor:
+                    softcap: float | None = None, kernel: str = _AUTO, dropout_p: float = 0.0,
+                    backend=_UNSET) -> torch.Tensor:
     """Flash attention with a chosen arithmetic.
 
     q: (B, H, T_q, D), k: (B, H, T_k, D), v: (B, H, T_k, D_v) -> (B, H, T_q, D_v) in q's dtype.
@@ -155,19 +228,25 @@ def flash_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None,
     ``paper`` (``paper:beta=7,tol=1e-3``), ``safe`` or a Stabilizer. Unset tiles: 512 (pytorch), the kernels' own (triton).
     ``softcap``: attention-logit soft-capping, scores -> softcap * tanh(scores / softcap)
     (after scaling, before masks), as in Gemma 2.
-    ``backend``: ``"pytorch"`` (the tiled PyTorch implementation: every policy and feature),
+    ``kernel``: ``"pytorch"`` (the tiled PyTorch implementation: every policy and feature),
     ``"triton"`` (fused Triton kernels: fa2-structured policies - ``fa2``, ``fa2-fp16``,
     ``fp32`` - without attn_mask or softcap; tiles ``block_q`` / ``block_k`` powers of two in
     [16, 128], None = the kernels' own; NotImplementedError otherwise) or ``"auto"`` (triton
-    when q is on CUDA, triton imports and the call is supported, else pytorch).
+    when q is on CUDA, triton imports and the call is supported, else pytorch; ``choose_kernel``
+    says which). ``backend=`` is its old name: accepted with a DeprecationWarning, TypeError
+    together with ``kernel=``.
     ``dropout_p``: attention dropout as SDPA's, O = dropout(softmax(S)) V with kept probabilities
     scaled by 1 / (1 - p); applied whenever > 0, so pass 0 when not training (as with SDPA). The
     mask is a hash of (seed, batch, head, row, column), regenerated in backward; the seed is drawn
     from torch's default generator at each call (``torch.manual_seed`` reproduces it).
     """
+    if backend is _UNSET:
+        kernel = "auto" if kernel is _AUTO else kernel
+    else:
+        kernel = _deprecated_backend("flash_attention()", kernel, backend, stacklevel=2)
     return _flash_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, precision=precision,
                             stabilizer=stabilizer, block_q=block_q, block_k=block_k, softcap=softcap,
-                            backend=backend, delta_hook=None, dropout_p=dropout_p)
+                            kernel=kernel, delta_hook=None, dropout_p=dropout_p)
 
 
 def flash_attention_with_delta_hook(q, k, v, *, delta_hook, attn_mask=None, is_causal=False, scale=None,
@@ -175,7 +254,7 @@ def flash_attention_with_delta_hook(q, k, v, *, delta_hook, attn_mask=None, is_c
                                     stabilizer: "str | Stabilizer" = "none",
                                     block_q: int | None = None, block_k: int | None = None,
                                     softcap: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
-    """``flash_attention`` (PyTorch backend) whose backward pass hands its delta to ``delta_hook``
+    """``flash_attention`` (PyTorch kernel) whose backward pass hands its delta to ``delta_hook``
     and uses the delta it returns (see ``flash.flash_backward``): the error-injection experiment's
     entry (flashguard.attention.injection.DeltaHook), reached from a model layer whose
     AttentionSpec carries the hook. The forward pass and everything else are flash_attention's."""
@@ -183,7 +262,7 @@ def flash_attention_with_delta_hook(q, k, v, *, delta_hook, attn_mask=None, is_c
         raise TypeError(f"delta_hook must be callable, got {type(delta_hook).__name__}")
     return _flash_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, precision=precision,
                             stabilizer=stabilizer, block_q=block_q, block_k=block_k, softcap=softcap,
-                            backend="pytorch", delta_hook=delta_hook, dropout_p=dropout_p)
+                            kernel="pytorch", delta_hook=delta_hook, dropout_p=dropout_p)
 
 
 def _assume_constant_result(fn):
@@ -205,16 +284,16 @@ def _option_keys(precision, stabilizer) -> tuple[str, str]:
 
 
 def _flash_attention(q, k, v, *, attn_mask, is_causal, scale, precision, stabilizer, block_q, block_k, softcap,
-                     backend, delta_hook, dropout_p=0.0):
+                     kernel, delta_hook, dropout_p=0.0):
     _check_inputs(q, k, v, attn_mask)
     compiling = delta_hook is None and torch.compiler.is_compiling()
     if compiling:
         keys = _option_keys(precision, stabilizer)
         # The Triton kernels are not captured by torch.compile yet: "auto" runs the PyTorch
         # operators there, and an explicit "triton" is refused.
-        if _check_backend(backend) == "triton":
-            raise NotImplementedError("torch.compile: backend='triton' is not supported under torch.compile "
-                                      "(use backend='pytorch' or 'auto', which compile the PyTorch kernel)")
+        if _check_kernel(kernel) == "triton":
+            raise NotImplementedError("torch.compile: kernel='triton' is not supported under torch.compile "
+                                      "(use kernel='pytorch' or 'auto', which compile the PyTorch kernel)")
         which = "pytorch"
     else:
         policy = get_policy(precision)
@@ -222,8 +301,8 @@ def _flash_attention(q, k, v, *, attn_mask, is_causal, scale, precision, stabili
     dropout_p = check_dropout_p(dropout_p)
     tiles = _check_block("block_q", block_q), _check_block("block_k", block_k)
     if not compiling:
-        which = choose_backend(q, k, v, attn_mask=attn_mask, precision=policy, stabilizer=stab, block_q=block_q,
-                               block_k=block_k, softcap=softcap, backend=backend, dropout_p=dropout_p)
+        which = choose_kernel(q, k, v, attn_mask=attn_mask, precision=policy, stabilizer=stab, block_q=block_q,
+                              block_k=block_k, softcap=softcap, kernel=kernel, dropout_p=dropout_p)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif not isinstance(scale, numbers.Real) or isinstance(scale, bool):
@@ -258,9 +337,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
 
     Accepts SDPA's (..., L, E) inputs with any number of leading dims and ``enable_gqa``;
-    ``options`` are ``flash_attention``'s (precision, stabilizer, block_q, block_k, softcap, backend).
+    ``options`` are ``flash_attention``'s (precision, stabilizer, block_q, block_k, softcap, kernel;
+    the old name ``backend`` of ``kernel`` with a DeprecationWarning).
     ``dropout_p`` as SDPA's (applied whenever > 0; see ``flash_attention``).
     """
+    options = _renamed_options("scaled_dot_product_attention()", options, stacklevel=2)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -298,16 +379,19 @@ def override_sdpa(**options):
         with override_sdpa(precision="paper", stabilizer="safe"):
             loss = model(x).loss
 
-    ``backend="triton"`` / ``"pytorch"`` / ``"auto"`` (the default) as in ``flash_attention``.
+    ``kernel="triton"`` / ``"pytorch"`` / ``"auto"`` (the default) as in ``flash_attention``
+    (``backend=``, its old name, with a DeprecationWarning).
     """
+    # stacklevel 3: past this generator and contextlib's __enter__, at the `with`
+    options = _renamed_options("override_sdpa()", options, stacklevel=3)
     # validate eagerly so that a typo fails at the `with`, not at the first attention call
     get_policy(options.get("precision", "fa2"))
     get_stabilizer(options.get("stabilizer", "none"))
-    _check_backend(options.get("backend", "auto"))
-    unknown = set(options) - {"precision", "stabilizer", "block_q", "block_k", "softcap", "backend"}
+    _check_kernel(options.get("kernel", "auto"))
+    unknown = set(options) - {"precision", "stabilizer", "block_q", "block_k", "softcap", "kernel"}
     if unknown:
         raise TypeError(f"override_sdpa got unknown option(s) {sorted(unknown)}; "
-                        "expected precision, stabilizer, block_q, block_k, softcap, backend")
+                        "expected precision, stabilizer, block_q, block_k, softcap, kernel")
     original = F.scaled_dot_product_attention
 
     def patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

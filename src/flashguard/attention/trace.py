@@ -25,6 +25,7 @@ stored O (``Trace.delta_source`` says which).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -35,23 +36,63 @@ from .flash import delta_preprocess, flash_backward, flash_forward
 from .reference import reference_attention
 from .stabilizers import Stabilizer, count_true, get_stabilizer
 
-__all__ = ["Arithmetic", "Trace", "TieCounts", "trace", "floor_arithmetic", "ARITH_BACKENDS"]
+__all__ = ["Arithmetic", "Trace", "TieCounts", "trace", "floor_arithmetic", "ARITH_KERNELS"]
 
-ARITH_BACKENDS = ("pytorch", "triton")
+# the kernels an Arithmetic runs on: flash_attention's KERNELS resolved ("auto" is a choice per call)
+ARITH_KERNELS = ("pytorch", "triton")
+
+
+def __getattr__(name):  # ARITH_BACKENDS, the old name of ARITH_KERNELS
+    if name == "ARITH_BACKENDS":
+        warnings.warn("flashguard.attention.trace.ARITH_BACKENDS is now called ARITH_KERNELS", DeprecationWarning,
+                      stacklevel=2)
+        return ARITH_KERNELS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _kernel_arg(where: str, kernel, backend, stacklevel: int) -> str:
+    """``kernel`` (None: not given, "pytorch"), or its old name ``backend`` with a DeprecationWarning;
+    both given is a TypeError."""
+    if backend is None:
+        return "pytorch" if kernel is None else kernel
+    if kernel is not None:
+        raise TypeError(f"{where} got both kernel={kernel!r} and backend={backend!r}; backend= is the old name "
+                        "of kernel=: pass kernel= only")
+    warnings.warn(f"{where}: backend= is now called kernel= (pytorch | triton): write kernel={backend!r}",
+                  DeprecationWarning, stacklevel=stacklevel + 1)
+    return backend
 # rows of the fp64 reference computed at once: bounds its (rows x T_k) score and probability
 # matrices and their autograd buffers to a few hundred MB
 _REF_CHUNK_ENTRIES = 1 << 24
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Arithmetic:
-    """A flash-attention arithmetic: precision policy, stabilizer, tiles and the kernel that runs it."""
+    """A flash-attention arithmetic: precision policy, stabilizer, tiles and the kernel that runs it
+    (``pytorch`` or ``triton``). ``backend=`` is the old name of ``kernel=`` (a DeprecationWarning;
+    both at once is a TypeError), and ``.backend`` of ``.kernel``."""
 
     policy: PrecisionPolicy
     stabilizer: Stabilizer = field(default_factory=lambda: get_stabilizer("none"))
     block_q: int = 512
     block_k: int = 512
-    backend: str = "pytorch"
+    kernel: str = "pytorch"
+
+    def __init__(self, policy, stabilizer=None, block_q: int = 512, block_k: int = 512, kernel: str | None = None,
+                 *, backend: str | None = None):
+        # the dataclass's own __init__, written out for the old keyword backend= (frozen: object.__setattr__)
+        kernel = _kernel_arg("Arithmetic()", kernel, backend, stacklevel=2)
+        stabilizer = get_stabilizer("none") if stabilizer is None else stabilizer
+        for name, value in (("policy", policy), ("stabilizer", stabilizer), ("block_q", block_q),
+                            ("block_k", block_k), ("kernel", kernel)):
+            object.__setattr__(self, name, value)
+        self.__post_init__()
+
+    @property
+    def backend(self) -> str:
+        """Deprecated: the old name of ``kernel``."""
+        warnings.warn("Arithmetic.backend is now called Arithmetic.kernel", DeprecationWarning, stacklevel=2)
+        return self.kernel
 
     def __post_init__(self):
         if not isinstance(self.policy, PrecisionPolicy):
@@ -62,17 +103,20 @@ class Arithmetic:
             b = getattr(self, name)
             if isinstance(b, bool) or not isinstance(b, int) or b < 1:
                 raise ValueError(f"Arithmetic.{name} must be an integer >= 1, got {b!r}")
-        if self.backend not in ARITH_BACKENDS:
-            raise ValueError(f"Arithmetic.backend must be one of {ARITH_BACKENDS}, got {self.backend!r}")
+        if self.kernel not in ARITH_KERNELS:
+            raise ValueError(f"Arithmetic.kernel must be one of {ARITH_KERNELS}, got {self.kernel!r}")
 
     @classmethod
     def of(cls, precision="fa2", stabilizer="none", *, block_q: int = 512, block_k: int = 512,
-           backend: str = "pytorch") -> "Arithmetic":
-        return cls(get_policy(precision), get_stabilizer(stabilizer), block_q, block_k, backend)
+           kernel: str | None = None, backend: str | None = None) -> "Arithmetic":
+        """``Arithmetic`` from a preset name (or policy) and a stabilizer name (or Stabilizer);
+        ``kernel`` "pytorch" (default) or "triton" (``backend=``: its old name, deprecated)."""
+        kernel = _kernel_arg("Arithmetic.of()", kernel, backend, stacklevel=2)
+        return cls(get_policy(precision), get_stabilizer(stabilizer), block_q, block_k, kernel)
 
     def label(self) -> str:
         tiles = "" if (self.block_q, self.block_k) == (512, 512) else f" {self.block_q}x{self.block_k}"
-        kernel = "" if self.backend == "pytorch" else f" [{self.backend}]"
+        kernel = "" if self.kernel == "pytorch" else f" [{self.kernel}]"
         return f"{self.policy.short_str()} / {self.stabilizer}{tiles}{kernel}"
 
 
@@ -220,7 +264,7 @@ def _run_arithmetic(a: Arithmetic, q, k, v, do, *, attn_mask, causal, scale, sof
         doc = None if do is None else cast(do.detach(), policy.inputs)
         keep, bias = _split_mask(attn_mask)
         out = {"inputs": (qc, kc, vc, doc)}
-        if a.backend == "triton":
+        if a.kernel == "triton":
             from .triton_flash import triton_flash_attention
             fn = lambda q_, k_, v_: triton_flash_attention(  # noqa: E731
                 q_, k_, v_, is_causal=causal, scale=scale, stabilizer=a.stabilizer, precision=policy,

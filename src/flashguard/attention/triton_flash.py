@@ -65,7 +65,7 @@ def triton_available() -> bool:
 def _kernels():
     """The kernels module, imported on first use (so that flashguard imports without triton)."""
     if not triton_available():
-        raise ImportError("the triton backend needs the 'triton' package (pip install triton)")
+        raise ImportError("the triton kernel needs the 'triton' package (pip install triton)")
     from . import _triton_kernels
     return _triton_kernels
 
@@ -83,7 +83,7 @@ def fa2_structured(policy: PrecisionPolicy) -> str | None:
     policy = get_policy(policy)
     inputs = policy.inputs.torch_dtype
     if inputs not in _DTYPES.values():
-        return f"inputs format {policy.inputs.name} (the triton backend takes bf16, fp16 or fp32 inputs)"
+        return f"inputs format {policy.inputs.name} (the triton kernel takes bf16, fp16 or fp32 inputs)"
     wrong = [f"{f}={getattr(policy, f).name}" for f in _FP32_FIELDS
              if getattr(policy, f).torch_dtype != torch.float32]
     wrong += [f"{f}={getattr(policy, f).name}" for f in ("pbar", "ds", "output")
@@ -97,7 +97,7 @@ def fa2_structured(policy: PrecisionPolicy) -> str | None:
     if policy.delta_source != "o_lowp":
         wrong.append(f"delta_source={policy.delta_source}")
     if wrong:
-        return (f"precision policy {policy.name!r} is not fa2-structured ({', '.join(wrong)}); the triton backend "
+        return (f"precision policy {policy.name!r} is not fa2-structured ({', '.join(wrong)}); the triton kernel "
                 f"implements fp32 scores/statistics/accumulators with Pbar, dS and O in the input format")
     return None
 
@@ -107,25 +107,25 @@ def _block(name, value):
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 16 <= value <= 128 \
             or value & (value - 1):
-        raise ValueError(f"triton backend: {name} must be a power of two in [16, 128], got {value!r}")
+        raise ValueError(f"triton kernel: {name} must be a power of two in [16, 128], got {value!r}")
     return int(value)
 
 
 def triton_unsupported_settings(*, precision="fa2", stabilizer="none", block_q=None, block_k=None, attn_mask=None,
                                 softcap=None, dropout_p=0.0) -> str | None:
-    """Why the triton backend cannot run these settings, whatever the tensors (None when it can):
+    """Why the triton kernel cannot run these settings, whatever the tensors (None when it can):
     masks, soft-capping, a policy that is not fa2-structured, a stabilizer it lacks, tiles that are
     not powers of two in [16, 128]. A model layer checks its AttentionSpec with it."""
     if attn_mask is not None:
-        return "attn_mask (the triton backend supports is_causal only)"
+        return "attn_mask (the triton kernel supports is_causal only)"
     if softcap is not None:
-        return "softcap (not implemented in the triton backend)"
+        return "softcap (not implemented in the triton kernel)"
     reason = fa2_structured(get_policy(precision))
     if reason:
         return reason
     stab = get_stabilizer(stabilizer)
     if type(stab) not in _STAB_CODES:
-        return f"stabilizer {type(stab).__name__} (the triton backend has none, paper and safe)"
+        return f"stabilizer {type(stab).__name__} (the triton kernel has none, paper and safe)"
     for name, value in (("block_q", block_q), ("block_k", block_k)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
                                   or not 16 <= value <= 128 or value & (value - 1)):
@@ -147,7 +147,7 @@ def triton_device_problem(device) -> str | None:
 
 def triton_unsupported(q, k, v, *, attn_mask=None, softcap=None, precision="fa2", stabilizer="none",
                        block_q=None, block_k=None, need_device=True, dropout_p=0.0) -> str | None:
-    """Why the triton backend cannot run this call (None when it can). ``need_device``: also
+    """Why the triton kernel cannot run this call (None when it can). ``need_device``: also
     require CUDA tensors (or the interpreter) and an importable triton."""
     reason = triton_unsupported_settings(precision=precision, stabilizer=stabilizer, block_q=block_q,
                                          block_k=block_k, attn_mask=attn_mask, softcap=softcap,
@@ -157,7 +157,7 @@ def triton_unsupported(q, k, v, *, attn_mask=None, softcap=None, precision="fa2"
     if 0 in (*q.shape, *k.shape, *v.shape):
         return f"empty tensors (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})"
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
-        return f"head dim {max(q.shape[-1], v.shape[-1])} (the triton backend supports head dims up to {MAX_HEAD_DIM})"
+        return f"head dim {max(q.shape[-1], v.shape[-1])} (the triton kernel supports head dims up to {MAX_HEAD_DIM})"
     if need_device:
         return triton_device_problem(q.device)
     return None
@@ -354,13 +354,13 @@ def triton_flash_attention(q, k, v, *, is_causal: bool = False, scale: float | N
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point():
             raise ValueError(f"{name} must be a 4-D floating tensor (batch, heads, seq_len, head_dim)")
     if attn_mask is not None:
-        raise NotImplementedError("triton backend: attn_mask is not supported (use is_causal, or backend='pytorch')")
+        raise NotImplementedError("triton kernel: attn_mask is not supported (use is_causal, or kernel='pytorch')")
     if softcap is not None:
-        raise NotImplementedError("triton backend: softcap is not supported (use backend='pytorch')")
+        raise NotImplementedError("triton kernel: softcap is not supported (use kernel='pytorch')")
     if precision is None:
         names = {v_: k_ for k_, v_ in _DTYPES.items()}
         if q.dtype not in names:
-            raise NotImplementedError(f"triton backend: {q.dtype} inputs (bf16, fp16 or fp32 only)")
+            raise NotImplementedError(f"triton kernel: {q.dtype} inputs (bf16, fp16 or fp32 only)")
         precision = "fp32" if q.dtype == torch.float32 else ("fa2" if q.dtype == torch.bfloat16 else "fa2-fp16")
     policy = get_policy(precision)
     stab = get_stabilizer(stabilizer)
@@ -368,8 +368,8 @@ def triton_flash_attention(q, k, v, *, is_causal: bool = False, scale: float | N
                                 block_k=_block("block_n (block_k)", block_n))
     if reason:
         if reason.startswith("triton is not installed"):
-            raise ImportError("triton backend: " + reason)
-        raise NotImplementedError("triton backend: " + reason)
+            raise ImportError("triton kernel: " + reason)
+        raise NotImplementedError("triton kernel: " + reason)
     if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2] or q.shape[-1] != k.shape[-1] \
             or k.shape[-2] != v.shape[-2]:
         raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")

@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import keys
-from ..attention import DEFAULT_BLOCK, choose_backend, get_stabilizer
+from ..attention import DEFAULT_BLOCK, choose_kernel, get_stabilizer
 from ..attention.error_stats import bias_stats, unit_means
 from ..attention.reference import causal_mask, reference_attention
 from ..attention.trace import Arithmetic, Trace, trace
@@ -170,12 +170,12 @@ def _trained_arithmetic(cap: LayerCapture, policy, stab) -> Arithmetic:
     block_q, block_k = getattr(spec, "block_q", None), getattr(spec, "block_k", None)
     kernel = "pytorch"
     if cap.backend == "flash" and spec is not None and getattr(spec, "delta_hook", None) is None:
-        kernel = choose_backend(cap.q, cap.k, cap.v, precision=policy, stabilizer=stab, block_q=block_q,
-                                block_k=block_k, softcap=cap.softcap, backend=getattr(spec, "kernel", "auto"))
+        kernel = choose_kernel(cap.q, cap.k, cap.v, precision=policy, stabilizer=stab, block_q=block_q,
+                               block_k=block_k, softcap=cap.softcap, kernel=getattr(spec, "kernel", "auto"))
     if kernel == "triton":
         head_dim = max(cap.q.shape[-1], cap.v.shape[-1])
         block_q, block_k = forward_tiles(head_dim, policy.inputs.torch_dtype, block_q, block_k)
-    return Arithmetic(policy, stab, block_q=block_q or DEFAULT_BLOCK, block_k=block_k or DEFAULT_BLOCK, backend=kernel)
+    return Arithmetic(policy, stab, block_q=block_q or DEFAULT_BLOCK, block_k=block_k or DEFAULT_BLOCK, kernel=kernel)
 
 
 def _scores64(q, k, *, causal: bool, scale: float, softcap: float | None):
@@ -211,7 +211,7 @@ def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = T
                       grads=grad)
             if t.ties is None:  # the triton kernel does not expose its tiles' maxima: count them on the
                 # PyTorch path with the same policy, stabilizer and tiles (forward only)
-                counted = trace(cap.q, cap.k, cap.v, None, dataclasses.replace(arith, backend="pytorch"),
+                counted = trace(cap.q, cap.k, cap.v, None, dataclasses.replace(arith, kernel="pytorch"),
                                 causal=cap.causal, scale=scale, softcap=cap.softcap, grads=False)
                 t = dataclasses.replace(t, ties=counted.ties)
             q_in, k_in, v_in, _ = t.inputs

@@ -7,7 +7,7 @@ O, as production backward passes take it) against fp64 on the same inputs, one v
 row, judged paired against the noise floor (the fp32 arithmetic with the kernel's input and
 output formats, on the same rows). Built in, where the device has them:
 
-* torch ``scaled_dot_product_attention`` per backend: on CPU the fused flash kernel and the
+* torch ``scaled_dot_product_attention`` per ``SDPBackend``: on CPU the fused flash kernel and the
   math kernel; on CUDA flash, memory-efficient and cuDNN;
 * flashguard's PyTorch path per preset (white boxes: every intermediate visible), and its
   Triton kernels on CUDA;
@@ -37,11 +37,11 @@ __all__ = ["builtin_kernels", "audit_conditions", "run_audit", "write_audit"]
 FLASHGUARD_PRESETS = ("paper", "paper-fp32fwd", "fa2")
 
 
-def _sdpa(backend):
+def _sdpa(sdp_backend):
     from torch.nn.attention import sdpa_kernel
 
     def fn(q, k, v):
-        with sdpa_kernel(backend):
+        with sdpa_kernel(sdp_backend):
             return F.scaled_dot_product_attention(q, k, v)
     return fn
 
@@ -64,7 +64,7 @@ def builtin_kernels(device: str = "cpu") -> list:
             pass
         from ..attention import triton_available
         if triton_available():
-            out.append(Arithmetic.of("fa2", backend="triton", block_q=64, block_k=64))
+            out.append(Arithmetic.of("fa2", kernel="triton", block_q=64, block_k=64))
     out += [Arithmetic.of(p) for p in FLASHGUARD_PRESETS]
     return out
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 
 from ..attention import function as _function
-from ..attention.function import _check_backend
+from ..attention.function import _check_kernel, _renamed_options
 from ..attention.stabilizers import get_stabilizer
 from ..numerics.policy import get_policy
 
@@ -40,7 +40,7 @@ DEFAULT_NAME = "flashguard"
 # the options a registration binds: flash_attention's arithmetic and implementation choices.
 # softcap is not one of them: it is a property of the model (Gemma 2's attn_logit_softcapping),
 # which transformers passes to the attention function per call.
-OPTIONS = ("precision", "stabilizer", "block_q", "block_k", "backend")
+OPTIONS = ("precision", "stabilizer", "block_q", "block_k", "kernel")
 
 # names transformers passes that change what attention computes and that flashguard does not do;
 # refused rather than dropped, so that a model never runs a different attention than it asked for
@@ -59,7 +59,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     ``scaling``: the score scale (None: 1/sqrt(D)); ``dropout``: passed on as ``dropout_p``
     (transformers passes 0 outside training), where flashguard's SDPA raises if it cannot honour
     it; ``softcap``: logit soft-capping. ``options``: flash_attention's (precision, stabilizer,
-    block_q, block_k, backend). Returns (output in (B, T_q, H, D) layout, None): attention
+    block_q, block_k, kernel). Returns (output in (B, T_q, H, D) layout, None): attention
     weights are never materialised.
     """
     used = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
@@ -91,7 +91,7 @@ def _check_options(options):
     # eagerly, so that a typo fails at registration and not at the model's first forward pass
     get_policy(options["precision"])
     get_stabilizer(options["stabilizer"])
-    _check_backend(options.get("backend", "auto"))
+    _check_kernel(options.get("kernel", "auto"))
     for name in ("block_q", "block_k"):
         _function._check_block(name, options.get(name))
 
@@ -100,13 +100,15 @@ def register(precision="fa2", stabilizer="none", *, name: str = DEFAULT_NAME, **
     """Register flashguard attention with these options under ``name`` in transformers; returns ``name``.
 
     ``precision`` (a preset name or PrecisionPolicy), ``stabilizer`` (a name or Stabilizer) and
-    ``options`` (block_q, block_k, backend) are flash_attention's, checked here. Registering a
+    ``options`` (block_q, block_k, kernel; ``backend``, the old name of ``kernel``, is accepted
+    with a DeprecationWarning) are flash_attention's, checked here. Registering a
     name again replaces its options for every model that uses it, from its next forward pass
     on. Then ``from_pretrained(..., attn_implementation=name)``, ``from_config(cfg,
     attn_implementation=name)`` or ``model.set_attn_implementation(name)``.
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty string, got {name!r}")
+    options = _renamed_options("register()", options, stacklevel=2)
     options = {"precision": precision, "stabilizer": stabilizer, **options}
     _check_options(options)
     try:

@@ -16,8 +16,12 @@ Attention-logit soft-capping (GPTConfig.attn_softcap) replaces the scores S by
 cap * tanh(S / cap) before the mask and the softmax. torch SDPA cannot do this, so a layer
 whose backend is ``sdpa`` runs ``math`` instead when a cap is set (``effective_backend``).
 
-There is no dropout on the attention probabilities: every backend must compute the same
-function, so that one layer's backend can be swapped for another on the same weights.
+Attention dropout (GPTConfig.attn_dropout, default 0: none) drops attention probabilities while
+the model trains, O = dropout(softmax(S)) V with kept entries scaled by 1 / (1 - p), in every
+backend: ``sdpa`` and ``flash`` by their own ``dropout_p``, ``math`` with the keep mask
+flashguard's flash kernels draw (attention.dropout), from the same generator state. Every backend
+computes the same function in expectation, and exactly the same one at p = 0 (evaluation), so one
+layer's backend can be swapped for another on the same weights.
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import flash_attention, get_stabilizer, reference_attention
-from ..attention.function import KERNEL_BACKENDS, choose_backend, flash_attention_with_delta_hook
+from ..attention.dropout import check_dropout_p, draw_seed, dropout_keep_mask
+from ..attention.function import KERNELS, choose_kernel, flash_attention_with_delta_hook
 from ..attention.stabilizers import Stabilizer
 from ..attention.triton_flash import triton_unsupported_settings
 from ..numerics.policy import PrecisionPolicy, get_policy
@@ -44,7 +49,8 @@ __all__ = ["BACKENDS", "KERNELS", "DEPRECATED_BACKENDS", "backend_name", "SpecEr
 # names
 
 BACKENDS = ("sdpa", "flash", "math")
-KERNELS = KERNEL_BACKENDS  # which implementation runs a flash layer: flash_attention's backend= (auto | pytorch | triton)
+# KERNELS (from flashguard.attention): which implementation runs a flash layer, flash_attention's
+# kernel= (auto | pytorch | triton)
 
 # old name -> the backend it now is; run folders saved before the rename still load
 DEPRECATED_BACKENDS = {"reference": "math"}
@@ -87,7 +93,7 @@ class AttentionSpec:
     ``math``, with a DeprecationWarning). ``precision`` (a flashguard preset name or a
     PrecisionPolicy), ``stabilizer`` (``none``, ``paper``, ``paper:beta=7``, ``safe`` or a
     Stabilizer), the tile sizes ``block_q`` / ``block_k`` (None = the kernel's default: 512 on the
-    PyTorch path, the Triton kernels' own) and ``kernel`` (flash_attention's backend: ``auto`` =
+    PyTorch path, the Triton kernels' own) and ``kernel`` (flash_attention's kernel=: ``auto`` =
     Triton on CUDA when it supports the call, else PyTorch; ``pytorch``; ``triton``, refused here
     for settings it cannot run) are used by the ``flash`` backend only, and so is ``delta_hook``:
     a callable the layer's backward pass hands its delta to and takes the delta to use from (the
@@ -140,11 +146,11 @@ class AttentionSpec:
 
     def kernel_for(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: float | None = None) -> str:
         """The flash kernel this spec runs on these inputs, ``pytorch`` or ``triton``: ``kernel``
-        resolved as flash_attention resolves it (choose_backend); the delta hook's path is PyTorch."""
+        resolved as flash_attention resolves it (choose_kernel); the delta hook's path is PyTorch."""
         if self.delta_hook is not None:
             return "pytorch"
-        return choose_backend(q, k, v, precision=self.precision, stabilizer=self.stabilizer, block_q=self.block_q,
-                              block_k=self.block_k, softcap=softcap, backend=self.kernel)
+        return choose_kernel(q, k, v, precision=self.precision, stabilizer=self.stabilizer, block_q=self.block_q,
+                             block_k=self.block_k, softcap=softcap, kernel=self.kernel)
 
     def short_str(self) -> str:
         """For run names and logs: ``sdpa``, ``math``, ``flash[paper,safe]``, ``flash[fa2,none,128x128]``,
@@ -257,21 +263,31 @@ def check_layer_spec(spec: AttentionSpec, softcap: float | None) -> None:
 
 
 def attend(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-           softcap: float | None = None) -> torch.Tensor:
-    """Causal attention of (B, H, T, D) tensors as ``spec`` says -> (B, H, T, D)."""
+           softcap: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention of (B, H, T, D) tensors as ``spec`` says -> (B, H, T, D).
+
+    ``dropout_p``: attention dropout, applied whenever > 0 (the model passes its attn_dropout while
+    training, else 0), by every backend (module docstring)."""
     backend = effective_backend(spec, softcap)
     if backend == "sdpa":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     if backend == "flash":
         s = spec
         if s.delta_hook is not None:
             return flash_attention_with_delta_hook(q, k, v, delta_hook=s.delta_hook, is_causal=True,
                                                    precision=s.precision, stabilizer=s.stabilizer,
-                                                   block_q=s.block_q, block_k=s.block_k, softcap=softcap)
+                                                   block_q=s.block_q, block_k=s.block_k, softcap=softcap,
+                                                   dropout_p=dropout_p)
         return flash_attention(q, k, v, is_causal=True, precision=s.precision,
                                stabilizer=s.stabilizer, block_q=s.block_q, block_k=s.block_k,
-                               softcap=softcap, backend=s.kernel)
-    # math: the formula in fp32, whatever autocast would do to its matmuls
+                               softcap=softcap, kernel=s.kernel, dropout_p=dropout_p)
+    # math: the formula in fp32, whatever autocast would do to its matmuls; dropout with the keep
+    # mask of attention.dropout, its seed drawn from torch's generator as flash_attention draws it
+    drop = {}
+    if check_dropout_p(dropout_p) > 0:
+        B, H, T_q, T_k = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        drop = {"dropout_keep": dropout_keep_mask(draw_seed(), dropout_p, B, H, T_q, T_k, q.device),
+                "dropout_p": dropout_p}
     with torch.autocast(q.device.type, enabled=False):
-        y = reference_attention(q, k, v, is_causal=True, dtype=torch.float32, softcap=softcap)
+        y = reference_attention(q, k, v, is_causal=True, dtype=torch.float32, softcap=softcap, **drop)
     return y.to(v.dtype)

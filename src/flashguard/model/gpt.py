@@ -10,8 +10,9 @@ Conventions shared with nanoGPT, so checkpoints map one to one: module names
 ``transformer.{wte,wpe,h.<i>.{ln_1,attn.c_attn,attn.c_proj,ln_2,mlp.c_fc,mlp.c_proj},ln_f}``
 and ``lm_head`` (tied to ``transformer.wte``); targets equal to -1 are ignored by the loss.
 
-``dropout`` applies to the embeddings and to both residual branches, as in GPT-2, and not to
-the attention probabilities (.attention says why). The study trains with dropout 0.
+``dropout`` applies to the embeddings and to both residual branches, as in GPT-2;
+``attn_dropout`` to the attention probabilities, in every backend, while the model trains
+(.attention says how). Both default to 0, as the study trains.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768            # must be divisible by n_head
     bias: bool = False           # biases in Linear and LayerNorm (the study trains without)
-    dropout: float = 0.0         # embeddings and residual branches (none on attention probs)
+    dropout: float = 0.0         # embeddings and residual branches
+    attn_dropout: float = 0.0    # attention probabilities, while training (dropout_p of the attention call)
     qk_layernorm: bool = False   # LayerNorm over head_dim on q and k (weights shared by heads)
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap); None = off
     z_loss: float = 0.0          # loss += z_loss * mean(logsumexp(logits)^2)  (PaLM)
@@ -60,8 +62,10 @@ class GPTConfig:
         for name in ("bias", "qk_layernorm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GPTConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if not is_real(self.dropout) or not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be a number in [0, 1), got {self.dropout!r}")
+        for name in ("dropout", "attn_dropout"):
+            value = getattr(self, name)
+            if not is_real(value) or not 0.0 <= value < 1.0:
+                raise ValueError(f"GPTConfig.{name} must be a number in [0, 1), got {value!r}")
         cap = self.attn_softcap
         if cap is not None and (not is_real(cap) or not math.isfinite(cap) or cap <= 0):
             raise ValueError(f"GPTConfig.attn_softcap must be None or a finite number > 0, got {cap!r}")
@@ -87,6 +91,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_embd, self.head_dim = config.n_head, config.n_embd, config.head_dim
         self.layer_index = layer_index
         self.softcap = config.attn_softcap
+        self.attn_dropout = float(config.attn_dropout)
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # rows: q | k | v
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.residual_projection = True  # scaled init, see GPT._init_weights
@@ -113,9 +118,11 @@ class CausalSelfAttention(nn.Module):
         return effective_backend(self.spec, self.softcap)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention of (B, H, T, D) tensors with this layer's spec -> (B, H, T, D).
+        """Causal attention of (B, H, T, D) tensors with this layer's spec -> (B, H, T, D), with the
+        attention dropout while training (none in eval mode).
         A method of its own so that the probes can wrap it (flashguard.diagnostics.capture)."""
-        return attend(self.spec, q, k, v, softcap=self.softcap)
+        return attend(self.spec, q, k, v, softcap=self.softcap,
+                      dropout_p=self.attn_dropout if self.training else 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape

@@ -45,6 +45,7 @@ class ModelConfig:
     vocab_size: int | None = None     # None: the preset's, checked against the data
     bias: bool | None = None
     dropout: float | None = None
+    attn_dropout: float = 0.0         # attention probabilities while training (GPTConfig.attn_dropout), in [0, 1)
     qk_layernorm: bool = False        # remedies users compare against, each a flag
     attn_softcap: float | None = None
     z_loss: float = 0.0

@@ -101,7 +101,8 @@ def gpt_config(cfg: RunConfig):
     m = cfg.model
     overrides = {k: getattr(m, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias",
                                             "dropout") if getattr(m, k) is not None}
-    overrides.update(qk_layernorm=m.qk_layernorm, attn_softcap=m.attn_softcap, z_loss=m.z_loss)
+    overrides.update(attn_dropout=m.attn_dropout, qk_layernorm=m.qk_layernorm, attn_softcap=m.attn_softcap,
+                     z_loss=m.z_loss)
     try:
         return model_config(m.preset, **overrides)
     except (KeyError, ValueError, TypeError) as e:
