@@ -203,6 +203,10 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
         optimizer.load_state_dict(state["optim"])
         sampler.set_state(state["data_rng"])
         torch.set_rng_state(state["torch_rng"])
+        if device.type == "cuda" and state.get("cuda_rng") is not None:
+            # the CUDA generator draws the sdpa backend's dropout masks (flash and math seed theirs
+            # from the CPU generator above); a checkpoint from a CPU run has none to restore
+            torch.cuda.set_rng_state(state["cuda_rng"], device)
         start, best_val = state["step"], state.get("best_val")
         if main:
             JsonlLog.truncate_after(metrics_path, start - 1)
@@ -323,6 +327,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
                 if main:
                     state = {"step": done, "model": raw_model.state_dict(), "optim": optimizer.state_dict(),
                              "data_rng": sampler.get_state(), "torch_rng": torch.get_rng_state(),
+                             "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
                              "best_val": best_val, "loss_min": watch.best, "config": config_to_dict(cfg), "world_size": world}
                     path = save_checkpoint(run_dir, done, state, t.keep_last, best=is_best)
                 if world > 1:
