@@ -87,3 +87,30 @@ def test_leading_layer_held_not_held_inconclusive():
     tied = judge_leading_layer([{0: 50, 1: 50}] * n, 2)
     assert tied["numbers"]["no_single_leader"] == n and tied["verdict"] == "not held"
     assert math.isclose(tied["numbers"]["p"], 1.0)
+
+
+def _o(peak, status="done"):
+    return {"summary": {"status": status}, "wq_norm": {0: [[0, 1.0], [25, peak]]}}
+
+
+def test_runaway_reading_held_not_held_inconclusive():
+    from flashguard.experiments.injection.coherence import judge_runaway
+    base = {1: _o(1.0), 2: _o(1.0)}
+    alphas = (1.0, 10.0)
+
+    def grid(coh, zm):
+        return {("coherent-p1", a): {1: _o(coh[i]), 2: _o(coh[i])} for i, a in enumerate(alphas)} | \
+               {("zero-mean", a): {1: _o(zm[i]), 2: _o(zm[i])} for i, a in enumerate(alphas)}
+
+    held = judge_runaway(grid([5.0, 9.0], [1.2, 1.5]), base, alphas, coherent="coherent-p1")
+    assert held["verdict"] == "held" and "alpha 1, not with zero-mean at alpha 10" in held["evidence"]
+    both = judge_runaway(grid([5.0, 9.0], [3.0, 4.0]), base, alphas, coherent="coherent-p1")
+    assert both["verdict"] == "not held"
+    only_zm = judge_runaway(grid([1.1, 1.2], [1.1, 3.0]), base, alphas, coherent="coherent-p1")
+    assert only_zm["verdict"] == "not held"
+    nothing = judge_runaway(grid([1.1, 1.2], [1.1, 1.2]), base, alphas, coherent="coherent-p1")
+    assert nothing["verdict"] == "inconclusive"
+    unfinished = grid([5.0, 9.0], [1.2, 1.5])
+    unfinished[("zero-mean", 10.0)][2] = _o(1.2, status="partial")
+    unfinished[("zero-mean", 1.0)][2] = _o(1.2, status="partial")
+    assert judge_runaway(unfinished, base, alphas, coherent="coherent-p1")["verdict"] == "inconclusive"

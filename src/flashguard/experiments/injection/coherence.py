@@ -28,6 +28,14 @@ is the first to do so (ties: both are reported and neither leads). ``judge_leadi
 C3 held when one layer leads in more diverged runs than chance would give (exact binomial test
 against 1 / n_layers, p < ALPHA), not held when at least ``MIN_RUNS`` diverged runs show no such
 layer, inconclusive below that. Both constants were fixed before the first grid was read.
+
+**A secondary outcome for I1** (``judge_runaway``). The divergence rule (loss doubling its running
+minimum) misses a run whose W_Q runs away before its loss has fallen: its running minimum stays
+high, and a loss stuck at twice the baseline's never doubles it (on the micro grid every fully
+coherent arm ended so, W_Q ~50x the baseline's, loss 3.4-4.2 against 1.9). I1 stays judged by the
+rule; beside it, the same comparison with "W_Q ran away" (some layer at RUNAWAY_FACTOR x the
+baseline's, the C3 criterion) as the outcome, labelled secondary because it was added after the
+first grid showed the rule's blind spot. It never replaces the rule's verdict.
 """
 from __future__ import annotations
 
@@ -38,12 +46,14 @@ from ... import keys
 from ...attention.error_stats import ALPHA, Z_CRIT
 from .analysis import HELD, INCONCLUSIVE, NOT_HELD
 
-__all__ = ["RUNAWAY_FACTOR", "MIN_RUNS", "LEADING_LAYER_CLAIM", "coherent_component", "real_bias_ratio",
-           "by_component", "margin", "runaway_steps", "judge_leading_layer"]
+__all__ = ["RUNAWAY_FACTOR", "MIN_RUNS", "LEADING_LAYER_CLAIM", "RUNAWAY_CLAIM", "coherent_component",
+           "real_bias_ratio", "by_component", "margin", "runaway_steps", "judge_leading_layer", "judge_runaway"]
 
 RUNAWAY_FACTOR = 2.0   # W_Q norm >= 2 x the baseline's at the same step: that layer has run away
 MIN_RUNS = 10          # diverged runs needed before "no layer leads" is a finding
 LEADING_LAYER_CLAIM = ("C3", "The runaway starts in W_Q of one early layer")
+RUNAWAY_CLAIM = ("I1-wq", "A coherent delta error runs W_Q away where a zero-mean one of the same or larger size "
+                          "does not (secondary outcome)")
 
 
 def real_bias_ratio(records) -> dict:
@@ -183,3 +193,43 @@ def judge_leading_layer(runaways: list[dict], n_layers: int) -> dict:
                       leader=top, p=p)
     return result(NOT_HELD, f"of {n} diverged runs, {share} ({n - len(leads)} with no single first layer): "
                   f"no layer leads more often than chance (binomial p = {p:.2g} for L{top})", leader=None, p=p)
+
+
+def judge_runaway(runs, baselines: dict, alphas, *, coherent: str, zero_mean: str = "zero-mean") -> dict:
+    """The secondary I1 reading. ``runs``: {(column, alpha): {seed: outcome}}; ``baselines``: {seed:
+    the baseline arm's outcome}. A cell ran away when every seed's run has a layer whose W_Q norm
+    reached RUNAWAY_FACTOR x its seed's baseline's, held when none has, split otherwise. Held: the
+    coherent column ran away at some alpha_c where zero-mean held at some alpha_z >= alpha_c; not
+    held: zero-mean ran away at every alpha >= the smallest such alpha_c, or ran away where the
+    coherent error held at every alpha; inconclusive otherwise."""
+    def state(col, a):
+        by_seed = runs.get((col, float(a))) or {}
+        flags = [any(v is not None for v in runaway_steps(o, baselines[seed]).values())
+                 for seed, o in by_seed.items() if seed in baselines
+                 and (o.get("summary") or {}).get("status") in ("done", "diverged")]
+        if not flags or len(flags) < len(by_seed):
+            return "missing"
+        return "ran away" if all(flags) else "held" if not any(flags) else "split"
+
+    alphas = sorted(float(a) for a in alphas)
+    coh = {a: state(coherent, a) for a in alphas}
+    zm = {a: state(zero_mean, a) for a in alphas}
+    numbers = {"coherent_column": coherent, "coherent": coh, "zero_mean": zm, "factor": RUNAWAY_FACTOR}
+
+    def result(verdict, evidence):
+        return {"id": RUNAWAY_CLAIM[0], "title": RUNAWAY_CLAIM[1], "verdict": verdict, "evidence": evidence,
+                "numbers": numbers}
+
+    table = "; ".join(f"alpha {a:g}: {coherent} {coh[a]}, {zero_mean} {zm[a]}" for a in alphas)
+    away = [a for a in alphas if coh[a] == "ran away"]
+    pairs = [(ac, az) for ac in away for az in alphas if az >= ac and zm[az] == "held"]
+    if pairs:
+        ac = min(p[0] for p in pairs)
+        az = max(p[1] for p in pairs if p[0] == ac)
+        return result(HELD, f"W_Q ran away (>= {RUNAWAY_FACTOR:g}x the baseline's) with {coherent} at alpha {ac:g}, "
+                            f"not with {zero_mean} at alpha {az:g} ({table})")
+    if away and all(zm[a] == "ran away" for a in alphas if a >= away[0]):
+        return result(NOT_HELD, f"{zero_mean} ran away wherever {coherent} did ({table})")
+    if not away and any(zm[a] == "ran away" for a in alphas) and all(coh[a] == "held" for a in alphas):
+        return result(NOT_HELD, f"{zero_mean} ran away where {coherent} held at every alpha ({table})")
+    return result(INCONCLUSIVE, f"no coherent cell ran away against a zero-mean cell that held ({table})")

@@ -25,7 +25,8 @@ from ..repro.presets import config_path, get_preset
 from ..repro.runner import _versions, train_run
 from ...utils.jsonl import read_jsonl
 from .analysis import boundaries, cell_outcomes, judge_coherence, run_outcome
-from .coherence import by_component, judge_leading_layer, margin, real_bias_ratio, runaway_steps
+from .coherence import (by_component, judge_leading_layer, judge_runaway, margin, real_bias_ratio,
+                        runaway_steps)
 from .figures import phase_diagram, wq_norms
 from .presets import InjectionPreset, arms, columns
 
@@ -105,6 +106,14 @@ def _write(out: Path, preset: InjectionPreset, grid, seeds, steps: int, common, 
     verdicts = [verdict]
     if n_layers:
         verdicts.append(judge_leading_layer([r["steps"] for r in runaways], n_layers))
+        base_out = {seed: outcomes[(seed, a.name)] for seed in seeds for a in grid if a.baseline
+                    and outcomes[(seed, a.name)]["summary"]["status"] in ("done", "diverged")}
+        by_cell: dict = {}
+        for (seed, name), o in outcomes.items():
+            arm = next(a for a in grid if a.name == name)
+            by_cell.setdefault((arm.column, arm.alpha), {})[seed] = o
+        if coherent and "zero-mean" in cols and base_out:
+            verdicts.append(judge_runaway(by_cell, base_out, alphas, coherent=coherent))
     result = {"experiment": "injection", "preset": preset.name, "about": preset.about, "repro_preset": preset.repro,
               "steps": steps, "seeds": seeds, "alphas": alphas, "ps": list(preset.ps), "columns": cols,
               "reference": preset.reference, "divergence_rule": describe_rule(DIVERGENCE_FACTOR),
