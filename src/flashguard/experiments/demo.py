@@ -6,9 +6,10 @@
    fix, with the study's fix and with `safe`, same seed and batches, probed every 20 steps
    (claims C1, C5, C6, C8; an explosion itself takes far longer than a demo, so C1 and C8
    are expected to read "not held" / "inconclusive" here, and the report says why);
-4. trains the causal comparison (`micro-demo` injection preset, about a minute): the micro model
-   with the arithmetic's own delta error, that error made one-signed at 10x, and made zero-mean
-   at 100x, on the same batches (claim I1: does the sign structure, not the size, explode a run?);
+4. trains the causal comparison (`micro-demo` injection preset, about two minutes): the micro model
+   with the arithmetic's own delta error, and with that error at 100x, once leaning (sign + with
+   probability 0.6) and once zero-mean, on the same batches (claim I1: does the sign structure,
+   not the size, explode a run?);
 5. writes the report (report.md, self-contained report.html) and prints where it is.
 
 The console starts with what will run and why no explosion is expected, and ends with the
@@ -64,7 +65,7 @@ def run_demo(out: str | Path = "demo", *, data_dir: str | Path = "data/embedded"
     log("[3/5] matched training runs")
     result = run_repro(preset, out, claims=DEMO_CLAIMS, steps=steps,
                        overrides=[f'data.dir="{data_dir}"'], progress=progress, log=lambda m: log(f"  {m}"))
-    log("[4/5] causal comparison: error injection on the micro model (real / one-signed x10 / zero-mean x100)")
+    log("[4/5] causal comparison: error injection on the micro model (real / leaning x100 / zero-mean x100)")
     injection = run_injection(get_injection_preset("micro-demo"), out / "injection",
                               overrides=[f'data.dir="{data_dir}"'], progress=False, log=lambda m: log(f"  {m}"))
     log("[5/5] report")

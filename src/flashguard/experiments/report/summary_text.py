@@ -278,7 +278,7 @@ def injection_blocks(result: dict) -> list[tuple]:
     blocks.append(("list", [f"{_arm_text(r)}: {r.get('title') or r.get('name')}" if r.get("title") else _arm_text(r)
                             for r in runs]))
     held = []
-    for cid in ("I1", "C3"):
+    for cid in ("I1", "I1-wq", "C3"):
         c = claims.get(cid)
         if c is not None:
             held.append(f"{cid} {c.get('title', '')}: {c.get('verdict')} ({c.get('evidence')})")
