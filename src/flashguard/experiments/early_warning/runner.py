@@ -14,6 +14,8 @@ of OUT never sees a half-written result; rerun the command as more runs finish.
 """
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 
@@ -38,7 +40,6 @@ _MONITOR_LEVELS = ("wq_growth_watch", "wq_growth_warn", "wq_norm_ratio_watch", "
 
 def _median_lead_with_misses(runs, alarms: dict) -> float | None:
     """Median over divergent runs of the lead, a miss counting 0 (the trade-off figure's x)."""
-    import statistics
     div = [r for r in runs if r.diverged]
     if not div:
         return None
@@ -151,7 +152,6 @@ def run_early_warning(run_folders, out, *, target: float = FALSE_ALARM_TARGET, l
 
 def _jsonable(x):
     """JSON without NaN/inf (atomic_write_json refuses them): a non-finite number becomes a string."""
-    import math
     if isinstance(x, dict):
         return {str(k): _jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
