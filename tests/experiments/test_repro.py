@@ -174,6 +174,10 @@ def test_demo_writes_the_report_and_resumes(tiny_data, tmp_path, capsys):
     assert {r["name"] for r in saved["runs"]} == {"fp32", "paper", "paper-fix", "safe"}
     assert html.count("data:image/png;base64,") >= 4 and "C8" in html
     assert (out / "lab" / "lab.json").exists()
+    # the causal comparison ran its three arms (at --steps too) and the report shows it
+    inj = json.loads((out / "injection" / "injection.json").read_text())
+    assert inj["steps"] == 3 and {r["name"] for r in inj["runs"]} == {"real-a1", "coherent-p0.6-a100", "zero-mean-a100"}
+    assert "Error injection: the causal comparison" in html
     # finished runs keep no checkpoints (the report reads their metrics): megabytes, not 40 MB per checkpoint
     assert not list(out.rglob("*.pt")) and "removed the finished runs' checkpoints" in printed
     # a second call resumes: nothing is trained or measured again

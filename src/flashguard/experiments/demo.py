@@ -66,7 +66,7 @@ def run_demo(out: str | Path = "demo", *, data_dir: str | Path = "data/embedded"
     result = run_repro(preset, out, claims=DEMO_CLAIMS, steps=steps,
                        overrides=[f'data.dir="{data_dir}"'], progress=progress, log=lambda m: log(f"  {m}"))
     log("[4/5] causal comparison: error injection on the micro model (real / leaning x100 / zero-mean x100)")
-    injection = run_injection(get_injection_preset("micro-demo"), out / "injection",
+    injection = run_injection(get_injection_preset("micro-demo"), out / "injection", steps=steps,
                               overrides=[f'data.dir="{data_dir}"'], progress=False, log=lambda m: log(f"  {m}"))
     log("[5/5] report")
     paths = write_report([out], out / "report")
