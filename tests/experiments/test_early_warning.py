@@ -307,6 +307,8 @@ def test_the_command_on_fake_run_folders(tmp_path, capsys):
     grid, more = tmp_path / "micro-grid", tmp_path / "more-seeds"
     _grid(grid, (1, 2))
     _grid(more, (4,))
+    _grid(tmp_path / "elsewhere", (6,))     # a seed trained elsewhere, linked into the grid's runs/
+    (grid / "runs" / "s6").symlink_to(tmp_path / "elsewhere" / "runs" / "s6")
     # being written: an unfinished run, and a folder the trainer moved aside
     _write_run(grid / "runs" / "s2" / "coherent-p0.75-a100", seed=2, rule="coherent", alpha=100, p=0.75,
                records=_records(STEPS, seed=99)[:150])
@@ -318,29 +320,29 @@ def test_the_command_on_fake_run_folders(tmp_path, capsys):
     rc = main(["repro", "--experiment", "early-warning", "--runs", str(grid), str(more), "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "early_warning.json").read_text())
-    assert res["counts"]["runs"] == 9 and res["counts"]["divergent"] == 3 and res["counts"]["stable"] == 6
-    assert res["counts"]["by_seed"] == {s: {"divergent": 1, "stable": 2} for s in ("1", "2", "4")}
+    assert res["counts"]["runs"] == 12 and res["counts"]["divergent"] == 4 and res["counts"]["stable"] == 8
+    assert res["counts"]["by_seed"] == {s: {"divergent": 1, "stable": 2} for s in ("1", "2", "4", "6")}
     assert sorted(s["why"].split(" (")[0] for s in res["skipped"]) == ["moved aside by the trainer", "not finished"]
     div = {r["id"]: r["divergence_step"] for r in res["runs"] if r["diverged"]}
     assert div == {"micro-grid/runs/s1/coherent-p1-a100": 261, "micro-grid/runs/s2/coherent-p1-a100": 262,
-                   "more-seeds/runs/s4/coherent-p1-a100": 264}
-    assert res["split"]["calibration_seeds"] == [1] and res["split"]["held_out_seeds"] == [2, 4]
+                   "more-seeds/runs/s4/coherent-p1-a100": 264, "micro-grid/runs/s6/coherent-p1-a100": 266}
+    assert res["split"]["calibration_seeds"] == [1] and res["split"]["held_out_seeds"] == [2, 4, 6]
     ml = res["default"]["max-logit"]
-    assert ml["hits"] == 3 and ml["false_alarms"] == 0 and all(x > 0 for x in ml["lead_times"])
+    assert ml["hits"] == 4 and ml["false_alarms"] == 0 and all(x > 0 for x in ml["lead_times"])
     assert set(res["calibrated"]) == {"monitor-warning", "monitor-watch", "loss-spike", "grad-spike", "max-logit"}
-    assert res["calibrated"]["max-logit"]["held_out"]["divergent"] == 2
+    assert res["calibrated"]["max-logit"]["held_out"]["divergent"] == 3
     assert "monitor-warning" in res["monitor_calibration"]
-    assert res["signals"]["divergent"] == 3
+    assert res["signals"]["divergent"] == 4
     for f in ("early_warning.md", "lead_times.png", "tradeoff.png"):
         assert (out / f).stat().st_size > 0
     md = (out / "early_warning.md").read_text()
-    assert "9 finished runs, 3 divergent, 6 stable" in md and "Which signal leads" in md
+    assert "12 finished runs, 4 divergent, 8 stable" in md and "Which signal leads" in md
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]   # atomic writes leave no temporaries
     printed = capsys.readouterr().out
-    assert "9 runs: 3 divergent, 6 stable (2 skipped)" in printed
+    assert "12 runs: 4 divergent, 8 stable (2 skipped)" in printed
     # the same run given twice counts once; a folder that does not exist is an error
     runs, skipped = load_runs([grid, grid / "runs" / "s1"])
-    assert len(runs) == 6 and sum("same config.toml" in s["why"] for s in skipped) == 3
+    assert len(runs) == 9 and sum("same config.toml" in s["why"] for s in skipped) == 3
     assert main(["repro", "--experiment", "early-warning", "--runs", str(tmp_path / "nope"), "--out", str(out)]) == 2
     assert main(["repro", "--experiment", "early-warning", "--out", str(out)]) == 2
 

@@ -16,6 +16,7 @@ moment. Whether a run diverged, and where, is the package's one rule
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,8 +62,20 @@ def find_run_dirs(root: str | Path, *, moved_aside: bool = False) -> list[Path]:
     root = Path(root)
     if (root / "metrics.jsonl").is_file():
         return [root]
-    return sorted(p.parent for p in root.rglob("metrics.jsonl")
-                  if moved_aside or not _moved_aside(root, p.parent))
+    found, visited = [], set()
+    # os.walk with followlinks: a seed folder may be a symbolic link to a grid trained elsewhere
+    # (Path.rglob does not enter linked folders); real paths seen once, so a link loop ends
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in visited:
+            dirnames[:] = []
+            continue
+        visited.add(real)
+        if "metrics.jsonl" in filenames:
+            d = Path(dirpath)
+            if moved_aside or not _moved_aside(root, d):
+                found.append(d)
+    return sorted(found)
 
 
 def _label(root: Path, run_dir: Path) -> str:
