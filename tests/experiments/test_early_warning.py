@@ -57,10 +57,10 @@ def _records(steps=400, *, seed=0, diverge_at=None, runaway_from=None, logit_bas
     return out
 
 
-def _run(rid, records, *, seed=1, warmup=0):
+def _run(rid, records, *, seed=1, warmup=0, injection=None):
     step, why = find_divergence(records, after=warmup)
     return Run(id=rid, path=None, seed=seed, arm=rid, warmup=warmup, steps=len(records), divergence_step=step,
-               divergence_reason=why, records=records)
+               divergence_reason=why, records=records, injection=injection or {})
 
 
 # ---- detectors --------------------------------------------------------------------------------
@@ -321,7 +321,7 @@ def test_the_command_on_fake_run_folders(tmp_path, capsys):
     assert rc == 0
     res = json.loads((out / "early_warning.json").read_text())
     assert res["counts"]["runs"] == 12 and res["counts"]["divergent"] == 4 and res["counts"]["stable"] == 8
-    assert res["counts"]["by_seed"] == {s: {"divergent": 1, "stable": 2} for s in ("1", "2", "4", "6")}
+    assert res["counts"]["by_seed"] == {s: {"divergent": 1, "stable": 2, "other": 0} for s in ("1", "2", "4", "6")}
     assert sorted(s["why"].split(" (")[0] for s in res["skipped"]) == ["moved aside by the trainer", "not finished"]
     div = {r["id"]: r["divergence_step"] for r in res["runs"] if r["diverged"]}
     assert div == {"micro-grid/runs/s1/coherent-p1-a100": 261, "micro-grid/runs/s2/coherent-p1-a100": 262,
@@ -336,7 +336,7 @@ def test_the_command_on_fake_run_folders(tmp_path, capsys):
     for f in ("early_warning.md", "lead_times.png", "tradeoff.png"):
         assert (out / f).stat().st_size > 0
     md = (out / "early_warning.md").read_text()
-    assert "12 finished runs, 4 divergent, 8 stable" in md and "Which signal leads" in md
+    assert "12 finished runs, 4 divergent, 8 stable twins, 0 other" in md and "Which signal leads" in md
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]   # atomic writes leave no temporaries
     printed = capsys.readouterr().out
     assert "12 runs: 4 divergent, 8 stable (2 skipped)" in printed
@@ -356,3 +356,18 @@ def test_one_far_out_stable_run_hides_a_signal_under_the_max_band_but_not_the_p9
     assert leading_signals(runs)["runs"][0]["leads"]["max logit"] is None
     p90 = leading_signals(runs, band=90)
     assert p90["band"] == 90 and p90["runs"][0]["leads"]["max logit"] >= 200
+
+
+def test_only_twins_count_for_false_alarms():
+    """A run that leans by design and did not diverge by the rule is 'other': its alarm is neither a
+    false alarm nor a hit; a zero-mean or uninjected run that alarms is a false alarm."""
+    from flashguard.experiments.early_warning.evaluate import measure
+    calm = [{keys.STEP: s, keys.LOSS_TRAIN: 2.0, keys.GRAD_NORM: 1.0} for s in range(50)]
+    runs = [_run("plain", calm), _run("zm", calm, injection={"rule": "zero-mean", "alpha": 100.0, "p": None}),
+            _run("real1", calm, injection={"rule": "real", "alpha": 1.0, "p": None}),
+            _run("coh", calm, injection={"rule": "coherent", "alpha": 10.0, "p": 1.0}),
+            _run("real10", calm, injection={"rule": "real", "alpha": 10.0, "p": None})]
+    assert [r.stable for r in runs] == [True, True, True, False, False]
+    assert [r.other for r in runs] == [False, False, False, True, True]
+    m = measure(runs, {"plain": None, "zm": 10, "real1": None, "coh": 5, "real10": None})
+    assert m["stable"] == 3 and m["false_alarms"] == 1 and m["other"] == 2 and m["other_alarms"] == 1

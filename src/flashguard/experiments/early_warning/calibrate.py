@@ -60,7 +60,7 @@ def calibrate(runs, detectors, table: dict, *, target: float = FALSE_ALARM_TARGE
     out = {}
     for det in detectors:
         rows = table[det.name]
-        stable_cal = [r for r in cal if not r.diverged]
+        stable_cal = [r for r in cal if r.stable]
         alarms = [rows[r.id] for r in stable_cal]
         t = choose_threshold(alarms, grid_of(det), target, fallback=True)
         top = max(grid_of(det))
@@ -68,7 +68,7 @@ def calibrate(runs, detectors, table: dict, *, target: float = FALSE_ALARM_TARGE
                  "met_target": t is not None and _fa_rate(alarms, t) <= target,
                  "calibration_false_alarm_rate": None if t is None else _fa_rate(alarms, t),
                  "calibration": {"seeds": sorted({r.seed for r in cal}), "runs": len(cal),
-                                 "stable": len(stable_cal), "divergent": len(cal) - len(stable_cal),
+                                 "stable": len(stable_cal), "divergent": sum(r.diverged for r in cal),
                                  # the stable runs that alarm even at the grid's largest threshold: why
                                  # no threshold may meet the target
                                  "alarmed_at_max": [r.id for r in stable_cal if rows[r.id][top] is not None]},

@@ -1,4 +1,4 @@
-"""Measures of a detector on runs: lead time on the divergent runs, false alarms on the stable ones.
+"""Measures of a detector on runs: lead time on the divergent runs, false alarms on the stable twins.
 
 The unit is a run. A run is divergent or stable by the package's one divergence rule only
 (``Run.divergence_step``, from ``flashguard.train.divergence``). On a divergent run with
@@ -67,11 +67,14 @@ def measure(runs, first_alarm: dict) -> dict:
     first alarm step or None}. Lead-time quartiles are over the hits (linear interpolation)."""
     per_run = {r.id: outcome(first_alarm.get(r.id), r.divergence_step) for r in runs}
     div = [r for r in runs if r.diverged]
-    stable = [r for r in runs if not r.diverged]
+    stable = [r for r in runs if r.stable]
+    other = [r for r in runs if r.other]
     leads = [per_run[r.id].lead for r in div if per_run[r.id].kind == "hit"]
     fa = sum(per_run[r.id].kind == "false_alarm" for r in stable)
     return {"unit": "run", "divergent": len(div), "stable": len(stable), "hits": len(leads),
             "hits_ahead": sum(1 for x in leads if x > 0), "misses": len(div) - len(leads),
             "lead_times": sorted(leads), "lead": _quartiles(leads),
             "false_alarms": fa, "false_alarm_rate": fa / len(stable) if stable else None,
+            # runs that lean by design and did not diverge by the rule: alarms there counted apart
+            "other": len(other), "other_alarms": sum(first_alarm.get(r.id) is not None for r in other),
             "runs": {rid: {"kind": o.kind, "alarm_step": o.alarm_step, "lead": o.lead} for rid, o in per_run.items()}}

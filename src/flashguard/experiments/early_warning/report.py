@@ -27,11 +27,17 @@ def _hits(m) -> str:
 
 def early_warning_markdown(res: dict) -> str:
     c = res["counts"]
-    seeds = ", ".join(f"seed {s}: {v['divergent']} divergent / {v['stable']} stable" for s, v in c["by_seed"].items())
+    seeds = ", ".join(f"seed {s}: {v['divergent']} divergent / {v['stable']} stable / {v.get('other', 0)} other"
+                      for s, v in c["by_seed"].items())
     L = ["# flashguard early-warning evaluation", "",
          f"Runs from {', '.join(res['run_folders'])}: **{c['runs']} finished runs, {c['divergent']} divergent, "
-         f"{c['stable']} stable** ({seeds}); {len(res['skipped'])} folders skipped (unfinished or unreadable, listed "
-         f"below). The unit is a run. Divergent or stable by the package's one rule only: {res['divergence_rule']}.",
+         f"{c['stable']} stable twins, {c.get('other', 0)} other** ({seeds}); {len(res['skipped'])} folders skipped "
+         f"(unfinished or unreadable, listed below). The unit is a run. Divergent by the package's one rule only: "
+         f"{res['divergence_rule']}. Stable twins: runs the rule calls undiverged whose delta error has no lean by "
+         "construction (no injection, the arithmetic itself, or a zero-mean error of any size), as the issue defines "
+         "them. Other: runs that lean by design (coherent, shuffled, scaled real errors) and did not diverge by the "
+         "rule; many of them ran W_Q away while their loss never doubled its running minimum, so an alarm there is "
+         "neither a false alarm nor a hit, and is counted apart (\"alarms / other\").",
          "",
          "A hit: the first alarm at or before the divergence step d, lead time = d - alarm step (\"ahead\": lead > 0; "
          "lead 0 is an alarm at the divergence step itself). A miss: no alarm up to d. A false alarm: any alarm "
@@ -39,11 +45,12 @@ def early_warning_markdown(res: dict) -> str:
          "## Detectors", ""]
     L += [f"* **{d['name']}** (default {d['default']:g}): {d['about']}." for d in res["detectors"]]
     L += ["", "## At the default thresholds, all runs", "",
-          "| detector | threshold | hits / divergent | misses | lead time | false alarms / stable |",
-          "|---|---|---|---|---|---|"]
+          "| detector | threshold | hits / divergent | misses | lead time | false alarms / stable | alarms / other |",
+          "|---|---|---|---|---|---|---|"]
     for d in res["detectors"]:
         m = res["default"][d["name"]]
-        L.append(f"| {d['name']} | {d['default']:g} | {_hits(m)} | {m['misses']} | {_lead(m)} | {_fa(m)} |")
+        other = f"{m.get('other_alarms', 0)}/{m.get('other', 0)}"
+        L.append(f"| {d['name']} | {d['default']:g} | {_hits(m)} | {m['misses']} | {_lead(m)} | {_fa(m)} | {other} |")
     sp = res["split"]
     L += ["", "## Calibrated on one half of the seeds, measured on the other", "",
           f"Split: {sp['rule']}; calibration seeds {sp['calibration_seeds'] or '-'}, held-out seeds "

@@ -85,13 +85,14 @@ def evaluate_detectors(runs, detectors=None, *, target: float = FALSE_ALARM_TARG
     cal_half, held_half = split_by_seed(runs)
     by_seed = {}
     for r in runs:
-        s = by_seed.setdefault(str(r.seed), {"divergent": 0, "stable": 0})
-        s["divergent" if r.diverged else "stable"] += 1
+        s = by_seed.setdefault(str(r.seed), {"divergent": 0, "stable": 0, "other": 0})
+        s["divergent" if r.diverged else "stable" if r.stable else "other"] += 1
     factors = sorted({r.rule.get("factor") for r in runs if r.rule.get("factor") is not None})
     return {
         "unit": "run",
         "counts": {"runs": len(runs), "divergent": sum(r.diverged for r in runs),
-                   "stable": sum(not r.diverged for r in runs), "by_seed": by_seed},
+                   "stable": sum(r.stable for r in runs), "other": sum(r.other for r in runs),
+                   "by_seed": by_seed},
         "divergence_rule": "; ".join(describe_rule(f) for f in factors) if factors else describe_rule(),
         "runs": [{"id": r.id, "seed": r.seed, "arm": r.arm, "injection": r.injection, "diverged": r.diverged,
                   "divergence_step": r.divergence_step, "divergence_reason": r.divergence_reason,

@@ -48,6 +48,26 @@ class Run:
         return self.divergence_step is not None
 
     @property
+    def twin(self) -> bool:
+        """A stable twin by construction (the issue's "the same batches with a zero-mean error, or
+        none"): no injection, the arithmetic itself (real at alpha 1: bit-identical to none), or a
+        zero-mean error of any size. Coherent, shuffled and scaled real errors lean by design."""
+        rule, alpha = self.injection.get("rule", "none"), self.injection.get("alpha")
+        return rule in ("none", "zero-mean") or (rule == "real" and alpha == 1.0)
+
+    @property
+    def stable(self) -> bool:
+        """Counted for false alarms: a twin the divergence rule calls undiverged. A run that leans by
+        design and did not diverge by the rule is neither divergent nor stable (``other``): the
+        rule misses runs whose W_Q runs away before their loss falls (docs/cpu-reproduction.md), so
+        an alarm there is no false alarm, and none there is no hit either."""
+        return not self.diverged and self.twin
+
+    @property
+    def other(self) -> bool:
+        return not self.diverged and not self.twin
+
+    @property
     def last_step(self) -> int | None:
         return self.records[-1][keys.STEP] if self.records else None
 

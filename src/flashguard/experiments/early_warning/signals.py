@@ -102,7 +102,7 @@ def leading_signals(runs, *, band="max") -> dict:
     "leads": {signal: lead or None}, "leader": [signals], "margin": steps or None, "next"}],
     "signals": {signal: {"left": n, "led": n, "median_lead": x}}, "divergent": n}."""
     series = {r.id: signal_series(r.records) for r in runs}
-    stable = [r for r in runs if not r.diverged]
+    stable = [r for r in runs if r.stable]
     rows = []
     names = sorted({n for s in series.values() for n in s})
     for r in (x for x in runs if x.diverged):
