@@ -64,6 +64,14 @@ INJECTION_PRESETS: dict[str, InjectionPreset] = {p.name: p for p in (
                     about="`flashguard demo`'s causal comparison, three arms of the micro-grid: the arithmetic "
                           "itself, and its delta error at 100x its size, once leaning (sign + with probability "
                           "0.6) and once zero-mean"),
+    InjectionPreset("micro-one-layer", "micro", alphas=(1, 10, 100), ps=(0.5, 0.6, 1.0), steps=1500,
+                    diagnostics_every=25,
+                    overrides=("optim.lr=3e-3", "optim.schedule=constant", "optim.warmup_steps=20",
+                               "train.checkpoint_every=250", "train.keep_last=1"),
+                    only=("real-a1", "coherent-p0.6-a100", "coherent-p1-a10"),
+                    about="the one-layer variant on the micro model (run it with injection.layers=[0] or [1]): "
+                          "the arithmetic itself, the soonest-diverging cell of the micro-grid (coherent p 0.6 at "
+                          "alpha 100) and the fully coherent error at 10x, injected into one layer only"),
     InjectionPreset("micro", "micro", alphas=(1, 10), ps=(0.5, 1.0), steps=30, diagnostics_every=10,
                     about="smoke test: the micro model, alpha in {1, 10} x p in {0.5, 1} plus shuffled and real, "
                           "30 steps (seconds)"),
