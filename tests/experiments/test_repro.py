@@ -176,7 +176,7 @@ def test_demo_writes_the_report_and_resumes(tiny_data, tmp_path, capsys):
     assert (out / "lab" / "lab.json").exists()
     # the causal comparison ran its three arms (at --steps too) and the report shows it
     inj = json.loads((out / "injection" / "injection.json").read_text())
-    assert inj["steps"] == 3 and {r["name"] for r in inj["runs"]} == {"real-a1", "coherent-p0.6-a100", "zero-mean-a100"}
+    assert inj["steps"] == 3 and {r["name"] for r in inj["runs"]} == {"real-a1", "coherent-p0.75-a1", "zero-mean-a100"}
     assert "Error injection: the causal comparison" in html
     # finished runs keep no checkpoints (the report reads their metrics): megabytes, not 40 MB per checkpoint
     assert not list(out.rglob("*.pt")) and "removed the finished runs' checkpoints" in printed

@@ -54,16 +54,17 @@ INJECTION_PRESETS: dict[str, InjectionPreset] = {p.name: p for p in (
                           "arithmetic, lr 3e-3 constant): alpha in {1, 3, 10, 30, 100} x p in {0.5, 0.6, 0.75, 1} "
                           "plus shuffled and real, 1,500 steps (about a minute a run on one core): the scale at "
                           "which a coherent error runs to the divergence rule within minutes"),
-    # the demo's arms were chosen from the micro-grid's measured cells: the soonest one to diverge at
-    # every seed (coherent p = 0.6 at alpha 100, docs/injection/micro-grid) against the zero-mean
-    # error of the same size; the fully coherent arms run W_Q away without tripping the loss rule
-    InjectionPreset("micro-demo", "micro", alphas=(1, 100), ps=(0.5, 0.6), steps=1500, diagnostics_every=25,
+    # the demo's arms were chosen from the micro-grid's measured cells (seeds 1-5,
+    # docs/injection/micro-grid): the one diverging at every seed with the smallest error, a lean of
+    # p = 0.75 at the real error's own size (coherent component 0.5; diverged at steps 804-968),
+    # against a zero-mean error 100x larger (trained on at every seed)
+    InjectionPreset("micro-demo", "micro", alphas=(1, 100), ps=(0.5, 0.75), steps=1500, diagnostics_every=25,
                     overrides=("optim.lr=3e-3", "optim.schedule=constant", "optim.warmup_steps=20",
                                "train.checkpoint_every=250", "train.keep_last=1"),
-                    only=("real-a1", "coherent-p0.6-a100", "zero-mean-a100"),
+                    only=("real-a1", "coherent-p0.75-a1", "zero-mean-a100"),
                     about="`flashguard demo`'s causal comparison, three arms of the micro-grid: the arithmetic "
-                          "itself, and its delta error at 100x its size, once leaning (sign + with probability "
-                          "0.6) and once zero-mean"),
+                          "itself, its delta error at its own size but leaning (sign + with probability 0.75), "
+                          "and at 100x its size with no lean (zero-mean)"),
     InjectionPreset("micro-one-layer", "micro", alphas=(1, 10, 100), ps=(0.5, 0.6, 1.0), steps=1500,
                     diagnostics_every=25,
                     overrides=("optim.lr=3e-3", "optim.schedule=constant", "optim.warmup_steps=20",

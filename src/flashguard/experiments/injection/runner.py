@@ -64,8 +64,10 @@ def run_injection(preset: InjectionPreset, out: str | Path, *, seeds=None, steps
             i += 1
             spec = arm.run_spec(seed)
             log(f"[{i}/{n}] seed {seed} {arm.name}: {spec.title}")
-            train_run(spec, base, common, steps, out / "runs" / f"s{seed}" / arm.name, log)
-            _write(out, preset, grid, seeds, steps, common, figures=False)  # survives an interrupt
+            if train_run(spec, base, common, steps, out / "runs" / f"s{seed}" / arm.name, log):
+                # survives an interrupt (only after a run that trained: reading every run's metrics
+                # after each skipped one made regenerating a finished 150-run grid quadratic)
+                _write(out, preset, grid, seeds, steps, common, figures=False)
     result = _write(out, preset, grid, seeds, steps, common, figures=True)
     result["wall_s"] = time.perf_counter() - t0
     return result

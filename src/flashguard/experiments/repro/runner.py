@@ -41,16 +41,16 @@ def _needed(claims, focus: int) -> set[str]:
     return names
 
 
-def train_run(spec, base: Path, common: list[str], steps: int, run_dir: Path, log) -> None:
+def train_run(spec, base: Path, common: list[str], steps: int, run_dir: Path, log) -> bool:
     """Train one matched run (``base`` config + ``common`` + ``spec.overrides``) into ``run_dir``:
     skipped when finished, resumed from its last checkpoint when interrupted, started afresh
     (the old folder moved aside) when it stopped before its first checkpoint. The injection
-    experiment (experiments/injection) trains its runs through this too."""
+    experiment (experiments/injection) trains its runs through this too. True when it trained."""
     cfg = load_config(base, [*common, *spec.overrides, f"train.steps={steps}"])
     status = summarize_run(run_dir, steps)["status"]
     if status in ("done", "diverged"):
         log(f"  {spec.name}: already {status}, skipped")
-        return
+        return False
     resume = latest_checkpoint(run_dir) is not None
     if run_dir.exists() and not resume:
         k = 1
@@ -59,6 +59,7 @@ def train_run(spec, base: Path, common: list[str], steps: int, run_dir: Path, lo
         run_dir.rename(run_dir.with_name(f"{run_dir.name}.incomplete-{k}"))
     from ...diagnostics import DiagnosticsHook
     train(cfg, run_dir, resume=resume, log_fn=log, hooks=[DiagnosticsHook()])
+    return True
 
 
 def run_repro(preset: ReproPreset, out: str | Path, *, claims=None, remedies: bool = False, steps: int | None = None,
