@@ -36,19 +36,19 @@ def _split(recs: list[dict]):
 
 
 def test_planted_wq_growth_is_a_warning_and_a_flat_layer_is_ok():
-    hist, metrics, step = _split(_history({0: 0.0, 1: 0.012}, 200))   # L1: 1.2 per 100 steps
+    hist, metrics, step = _split(_history({0: 0.0, 1: 0.024}, 200))   # L1: 2.4 per 100 steps
     flags = layer_flags(hist, metrics, step, [0, 1])
     assert flags[0].name == "ok" and flags[0].reasons == []
     assert flags[1].name == "warning"
-    assert any(r.startswith("W_Q norm growth 1.2/100 steps at L1H") for r in flags[1].reasons), flags[1].reasons
+    assert any(r.startswith("W_Q norm growth 2.4/100 steps at L1H") for r in flags[1].reasons), flags[1].reasons
 
 
 def test_moderate_growth_is_a_watch_and_the_thresholds_are_the_monitors():
-    hist, metrics, step = _split(_history({0: 0.0, 1: 0.005}, 100))   # 0.5 per 100 steps, x1.65 in all
+    hist, metrics, step = _split(_history({0: 0.0, 1: 0.012}, 100))   # 1.2 per 100 steps, x3.3 in all
     flags = layer_flags(hist, metrics, step, [0, 1])
     assert (flags[0].name, flags[1].name) == ("ok", "watch")
     # the same records under other thresholds: the monitor decides, nothing is re-implemented here
-    assert layer_flags(hist, metrics, step, [1], MonitorThresholds(wq_growth_watch=0.6))[1].name == "ok"
+    assert layer_flags(hist, metrics, step, [1], MonitorThresholds(wq_growth_watch=1.5))[1].name == "ok"
     assert layer_flags(hist, metrics, step, [1], MonitorThresholds(ignore_before=1000))[1].name == "ok"
 
 

@@ -1,4 +1,5 @@
-"""The early-warning monitor on synthetic metric streams (there are no divergent runs yet)."""
+"""The early-warning monitor on synthetic metric streams with known answers (the evaluation on real
+divergent runs is flashguard.experiments.early_warning)."""
 from __future__ import annotations
 
 import json
@@ -49,7 +50,22 @@ def stream(steps=1500, *, every=10, runaway_from=None, rate=1.2, diverge_at=None
     return recs
 
 
-TH = MonitorThresholds(ignore_before=100)
+# the synthetic streams below were built around the hand-set thresholds; the defaults are those at
+# the calibrated scale 2.5 (test_defaults_are_the_hand_set_thresholds_at_the_calibrated_scale)
+HAND_SET = dict(wq_growth_watch=0.4, wq_growth_warn=0.8, wq_norm_ratio_watch=2.0, wq_norm_ratio_warn=4.0,
+                max_logit_watch=50.0, max_logit_warn=200.0, grad_spike_watch=10.0, grad_spike_warn=100.0)
+TH = MonitorThresholds(ignore_before=100, **HAND_SET)
+
+
+def test_defaults_are_the_hand_set_thresholds_at_the_calibrated_scale():
+    from flashguard.experiments.early_warning.detectors import monitor_thresholds
+    d = MonitorThresholds()
+    assert d.wq_growth_warn == 0.8 * 2.5 and d.max_logit_warn == 500.0
+    assert d.wq_norm_ratio_warn == 4.0 ** 2.5 and d.grad_spike_warn == 100.0 ** 2.5
+    # scale 1 / 2.5 of the defaults gives back the hand-set values
+    back = monitor_thresholds(1 / 2.5)
+    for k, v in HAND_SET.items():
+        assert math.isclose(getattr(back, k), v, rel_tol=1e-12), k
 
 
 def test_stable_stream_gives_no_warning():
@@ -90,7 +106,7 @@ def test_a_single_noisy_probe_is_not_a_warning():
 def test_warm_up_growth_is_ignored_but_counted_without_ignore_before():
     recs = stream(steps=300)
     assert evaluate_run(recs, TH).first_warning_step is None
-    assert evaluate_run(recs, MonitorThresholds(ignore_before=0)).first_warning_step is not None
+    assert evaluate_run(recs, MonitorThresholds(ignore_before=0, **HAND_SET)).first_warning_step is not None
 
 
 def test_non_finite_gradient_is_an_immediate_warning_and_a_divergence():
@@ -114,7 +130,7 @@ def test_gradient_spike_then_calm_returns_to_ok():
 
 def test_growth_with_the_mechanism_at_work_is_a_warning():
     # a watch-level growth (0.5 / 100 steps), the norm ratio kept out of it: alone a watch ...
-    th = MonitorThresholds(ignore_before=100, wq_norm_ratio_watch=3.0)
+    th = MonitorThresholds(ignore_before=100, **{**HAND_SET, "wq_norm_ratio_watch": 3.0})
     recs = stream(steps=800, runaway_from=600, rate=0.5)
     ev = evaluate_run(recs, th)
     assert ev.first_watch_step is not None and ev.first_warning_step is None

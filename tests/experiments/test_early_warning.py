@@ -17,6 +17,7 @@ from flashguard.experiments.early_warning import (FALSE_ALARM_TARGET, MaxLogitDe
                                                   SpikeDetector, calibrate, choose_threshold, leading_signals,
                                                   load_runs, measure, monitor_thresholds, outcome, replay,
                                                   split_by_seed, sweep)
+from flashguard.diagnostics.monitor import MonitorThresholds
 from flashguard.train.divergence import find_divergence
 
 PROBE_EVERY = 25
@@ -122,7 +123,9 @@ def test_monitor_detector_at_scale_1_is_the_packages_monitor():
     assert MonitorDetector("warning").first_alarm(recs, warmup=20, until=ev.divergence_step) == ev.first_warning_step
     assert MonitorDetector("watch").first_alarm(recs, warmup=20, until=ev.divergence_step) == ev.first_watch_step
     th = monitor_thresholds(2.0, 20)
-    assert th.ignore_before == 40 and th.max_logit_warn == 400 and th.wq_norm_ratio_warn == 16
+    d = MonitorThresholds()
+    assert th.ignore_before == 40 and th.max_logit_warn == 2 * d.max_logit_warn
+    assert math.isclose(th.wq_norm_ratio_warn, d.wq_norm_ratio_warn ** 2)
     assert th.delta_consistency == monitor_thresholds(1.0).delta_consistency   # mechanism thresholds stay
     assert MonitorDetector("warning").first_alarms(recs, [1.0, 2.0], warmup=20) == {
         1.0: MonitorDetector("warning", 1.0).first_alarm(recs, warmup=20),
