@@ -38,7 +38,7 @@ def test_help_lists_the_valid_values_from_the_registries(capsys):
 @pytest.mark.parametrize("command,words", [
     ("demo", ["Prepares the embedded corpus", "claims C1, C5, C6, C8", "report.html", "--keep-checkpoints"]),
     ("showcase", ["One lab problem", "noise floor", "Writes nothing"]),
-    ("lab", ["planted ties", "noise floor", "lab-POLICY"]),
+    ("lab", ["planted ties", "noise floor", "lab-PRECISION"]),
     ("repro", ["matched runs", "claims C1-C6, C8", "Resumable"]),
     ("train", ["shipped config's name (e.g. tiny-cpu) or a TOML file"]),
 ])
@@ -62,6 +62,7 @@ def test_lab_default_folder_is_named_by_policy(tmp_path, monkeypatch, capsys):
     assert written == ["lab", "lab", "lab-fp32", "lab-fa2-e4m3", "lab-paper_pv=fp32", "mine"]
     assert len({lab_out(p) for p in POLICIES}) == len(POLICIES)   # no two policies share a folder
     assert main(["lab", "--policy", "fp31"]) == 2                  # a typo: refused before anything runs
+    assert main(["lab", "--precision", "fp31"]) == 2               # --precision is the name, --policy the old one
     assert "unknown precision policy 'fp31'" in capsys.readouterr().err and len(written) == 6
 
 

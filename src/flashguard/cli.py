@@ -25,7 +25,7 @@ def _values() -> str:
     from .experiments.repro.presets import PRESETS
     from .numerics.policy import POLICIES
     from .train.shipped import shipped_configs
-    return _wrap(f"precision policies (attention.precision, lab --policy): {', '.join(POLICIES)}, "
+    return _wrap(f"precision policies (attention.precision, lab --precision): {', '.join(POLICIES)}, "
             f"or one with changed fields as 'paper[pv=fp32]';\n"
             f"stabilizers (attention.stabilizer): {', '.join(STABILIZERS)}, with options as 'paper:beta=7,tol=1e-3';\n"
             f"shipped configs (flashguard train NAME): {', '.join(shipped_configs())};\n"
@@ -50,18 +50,20 @@ def _add_lab(sub, values: str) -> None:
     p = sub.add_parser("lab", help="rounding-bias lab: the study's arithmetic facts with verdicts, open questions",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        description=_wrap("Measures attention arithmetics on rows with planted ties against fp64 "
-                                         "and the fp32 noise floor: the study's facts (i)-(iii) in --policy with "
+                                         "and the fp32 noise floor: the study's facts (i)-(iii) in --precision with "
                                          "verdicts, which arithmetic leans under ties and which stabilizer removes "
                                          "it, where the bias enters, FlashAttention PR #2721. Writes lab.json, "
                                          "lab.md and figures."),
                        epilog="Valid values:\n" + values)
     p.add_argument("--quick", action="store_true", help="fewer conditions and instances (about 45 s on one core)")
     p.add_argument("--out", default=None, help="output folder for lab.json, lab.md and figures (default: lab for "
-                                               "the default policy, lab-POLICY for another, so that one policy's "
-                                               "results never overwrite another's)")
-    p.add_argument("--policy", default="paper",
+                                               "the default precision, lab-PRECISION for another, so that one "
+                                               "precision's results never overwrite another's)")
+    # --precision, as attention.precision and flash_attention(precision=) call it; --policy is its
+    # old name, still accepted
+    p.add_argument("--precision", "--policy", dest="policy", default="paper",
                    help=f"arithmetic the study's facts are tested in: {', '.join(POLICIES)} "
-                        "or 'preset[field=value,...]' (default: paper)")
+                        "or 'preset[field=value,...]' (default: paper; --policy is the old name)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--capture", default=None, metavar="RUN_DIR",
                    help="also measure the q, k, v, dO a training run's checkpoint saw (one problem per layer)")
