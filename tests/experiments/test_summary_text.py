@@ -233,7 +233,7 @@ def _injection(verdict):
                 "max_logit_peak": {"0": 9.0}}
     return {"repro_preset": "micro", "steps": 1500, "seeds": [1], "about": "three arms",
             "divergence_rule": "loss >= 2 x its running minimum",
-            "runs": [run("real-a1", "done", final=1.9), run("coherent-p1-a10", "diverged", step=420),
+            "runs": [run("real-a1", "done", final=1.9), {**run("coherent-p1-a10", "diverged", step=420), "first_warning": 300},
                      run("zero-mean-a100", "done", final=2.1)],
             "claims": [{"id": "I1", "title": "A coherent delta error explodes where a zero-mean one does not",
                         "verdict": verdict, "evidence": "measured"}],
@@ -245,7 +245,8 @@ def _injection(verdict):
 def test_injection_blocks_say_what_the_verdict_supports(verdict, says):
     from flashguard.experiments.report.summary_text import injection_blocks, render_text
     text = " ".join(render_text(injection_blocks(_injection(verdict))).split())
-    assert "`coherent-p1-a10` diverged at step 420, W_Q spectral norm 0.3 -> peak 40" in text
+    assert "`coherent-p1-a10` diverged at step 420, W_Q spectral norm 0.3 -> peak 40; the monitor warned at step " \
+           "300, 120 steps ahead" in text
     assert "`zero-mean-a100` trained on (final loss 2.1" in text
     assert f"I1 A coherent delta error explodes where a zero-mean one does not: {verdict} (measured)" in text
     assert says in text and "9.3x below the boundary" in text

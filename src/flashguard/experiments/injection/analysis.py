@@ -56,7 +56,9 @@ def run_outcome(run_dir: str | Path, steps: int) -> dict:
     out = {"summary": summary,
            "wq_norm": _layer_series(recs, keys.WQ_NORM_MAX),
            "max_logit": _layer_series(recs, keys.MAX_LOGIT),
-           "loss": [[r[keys.STEP], r[keys.LOSS_TRAIN]] for r in recs if keys.LOSS_TRAIN in r]}
+           "loss": [[r[keys.STEP], r[keys.LOSS_TRAIN]] for r in recs if keys.LOSS_TRAIN in r],
+           # the online monitor's first warning (monitor/state 2, written by the diagnostics hook)
+           "first_warning": next((r[keys.STEP] for r in recs if r.get(keys.MONITOR_STATE) == 2), None)}
     for name in ("wq_norm", "max_logit"):
         series = out[name]
         out[f"{name}_last"] = {layer: pts[-1][1] for layer, pts in series.items()}

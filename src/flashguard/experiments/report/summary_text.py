@@ -256,8 +256,13 @@ def _arm_text(run: dict) -> str:
     base = (run.get("wq_norm") or {})
     first = min((pts[0][1] for pts in base.values() if pts), default=None)
     wq = (f", W_Q spectral norm {first:.2g} -> peak {peak:.3g}" if peak is not None and first is not None else "")
+    warned = run.get("first_warning")
     if s.get("status") == "diverged":
-        return f"`{run['name']}` diverged at step {s.get('diverged_at')}{wq}"
+        when = ("" if warned is None else f"; the monitor warned at step {warned}"
+                + (f", {s.get('diverged_at') - warned} steps ahead" if warned < s.get("diverged_at") else ""))
+        return f"`{run['name']}` diverged at step {s.get('diverged_at')}{wq}{when}"
+    if warned is not None:
+        wq += f"; the monitor warned at step {warned}"
     if s.get("status") == "done":
         loss = f" (final loss {s['final_loss']:.3g}{wq})" if s.get("final_loss") is not None else ""
         return f"`{run['name']}` trained on{loss}"

@@ -67,7 +67,8 @@ def _injection_section(inj: dict) -> list[Block]:
     def peaks(d):
         return ", ".join(f"{v:.3g}" for _, v in sorted((d or {}).items())) or "-"
     rows = [[fmt(r.get("name")), fmt(r.get("seed")), fmt((r.get("summary") or {}).get("status")),
-             fmt((r.get("summary") or {}).get("diverged_at")), fmt((r.get("summary") or {}).get("final_loss")),
+             fmt((r.get("summary") or {}).get("diverged_at")), fmt(r.get("first_warning")),
+             fmt((r.get("summary") or {}).get("final_loss")),
              peaks(r.get("wq_norm_peak")), peaks(r.get("max_logit_peak"))] for r in inj.get("runs") or []]
     claims = [[fmt(c.get("id")), fmt(c.get("title")), fmt(c.get("verdict")), fmt(c.get("evidence"))]
               for c in inj.get("claims") or []]
@@ -75,7 +76,8 @@ def _injection_section(inj: dict) -> list[Block]:
                         ("p", f"{inj.get('about', '')}. Divergence: {inj.get('divergence_rule', '?')}.")]
     if claims:
         out.append(("table", Table(["id", "claim", "verdict", "evidence"], claims, verdict_col=2)))
-    out.append(("table", Table(["run", "seed", "status", "diverged at", "final loss", "W_Q norm peak (per layer)",
+    out.append(("table", Table(["run", "seed", "status", "diverged at", "monitor warned at", "final loss",
+                                "W_Q norm peak (per layer)",
                                 "max logit peak (per layer)"], rows)))
     if (inj.get("margin") or {}).get("text"):
         out.append(("p", f"Margin of the real run: {inj['margin']['text']}."))
