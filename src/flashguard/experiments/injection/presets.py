@@ -34,6 +34,10 @@ class InjectionPreset:
     only: tuple[str, ...] = ()    # arm names to train (empty: the whole grid)
 
 
+# the micro model's injection set-up, shared by its grid, its one-layer variant and the demo's arms
+MICRO_TRAINING = ("optim.lr=3e-3", "optim.schedule=constant", "optim.warmup_steps=20",
+                  "train.checkpoint_every=250", "train.keep_last=1")
+
 INJECTION_PRESETS: dict[str, InjectionPreset] = {p.name: p for p in (
     InjectionPreset("tiny-cpu", "tiny-cpu", alphas=(1, 3, 10, 30, 100), ps=(0.5, 0.6, 0.75, 1.0), steps=500,
                     diagnostics_every=25,
@@ -48,8 +52,7 @@ INJECTION_PRESETS: dict[str, InjectionPreset] = {p.name: p for p in (
                           "across rows at 10x; 400 steps"),
     InjectionPreset("micro-grid", "micro", alphas=(1, 3, 10, 30, 100), ps=(0.5, 0.6, 0.75, 1.0), steps=1500,
                     diagnostics_every=25,
-                    overrides=("optim.lr=3e-3", "optim.schedule=constant", "optim.warmup_steps=20",
-                               "train.checkpoint_every=250", "train.keep_last=1"),
+                    overrides=MICRO_TRAINING,
                     about="the whole grid on the micro model (2 layers x 64 wide, T = 64, byte-level, paper "
                           "arithmetic, lr 3e-3 constant): alpha in {1, 3, 10, 30, 100} x p in {0.5, 0.6, 0.75, 1} "
                           "plus shuffled and real, 1,500 steps (about a minute a run on one core): the scale at "
@@ -59,16 +62,14 @@ INJECTION_PRESETS: dict[str, InjectionPreset] = {p.name: p for p in (
     # p = 0.75 at the real error's own size (coherent component 0.5; diverged at steps 804-968),
     # against a zero-mean error 100x larger (trained on at every seed)
     InjectionPreset("micro-demo", "micro", alphas=(1, 100), ps=(0.5, 0.75), steps=1500, diagnostics_every=25,
-                    overrides=("optim.lr=3e-3", "optim.schedule=constant", "optim.warmup_steps=20",
-                               "train.checkpoint_every=250", "train.keep_last=1"),
+                    overrides=MICRO_TRAINING,
                     only=("real-a1", "coherent-p0.75-a1", "zero-mean-a100"),
                     about="`flashguard demo`'s causal comparison, three arms of the micro-grid: the arithmetic "
                           "itself, its delta error at its own size but leaning (sign + with probability 0.75), "
                           "and at 100x its size with no lean (zero-mean)"),
     InjectionPreset("micro-one-layer", "micro", alphas=(1, 10, 100), ps=(0.5, 0.6, 1.0), steps=1500,
                     diagnostics_every=25,
-                    overrides=("optim.lr=3e-3", "optim.schedule=constant", "optim.warmup_steps=20",
-                               "train.checkpoint_every=250", "train.keep_last=1"),
+                    overrides=MICRO_TRAINING,
                     only=("real-a1", "coherent-p0.6-a100", "coherent-p1-a10"),
                     about="the one-layer variant on the micro model (run it with injection.layers=[0] or [1]): "
                           "the arithmetic itself, the soonest-diverging cell of the micro-grid (coherent p 0.6 at "
