@@ -87,6 +87,20 @@ def test_runaway_head_warns_well_before_the_explosion():
     assert any("W_Q norm growth" in r for r in ev.warnings[0][1])
 
 
+def test_the_timeline_puts_each_state_change_next_to_the_loss():
+    recs = stream(runaway_from=600, diverge_at=1000)
+    ev = evaluate_run(recs, TH)
+    states = [t[1] for t in ev.timeline]
+    assert ev.timeline[0][:2] == [0, "ok"] and states[-1] == "diverged" and ev.timeline[-1][0] == 1000
+    warn = next(t for t in ev.timeline if t[1] == "warning")
+    assert warn[0] == ev.first_warning_step and warn[3] == ev.warnings[0][1]
+    loss_at = {r["step"]: r["loss/train"] for r in recs}
+    assert all(t[2] == loss_at[t[0]] for t in ev.timeline)
+    # a stable run: ok from the start, never a warning, no divergence entry
+    calm = [t[1] for t in evaluate_run(stream(), TH).timeline]
+    assert calm[0] == "ok" and "warning" not in calm and "diverged" not in calm
+
+
 def test_slow_runaway_is_caught_by_the_norm_ratio_and_the_logits():
     # 0.5 / 100 steps: a watch-level growth only; the norm ratio (x2 after ~140 steps) escalates it
     ev = evaluate_run(stream(runaway_from=300, rate=0.5, diverge_at=1400), TH)

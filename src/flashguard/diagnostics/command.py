@@ -285,8 +285,10 @@ def run_diagnose(args: argparse.Namespace) -> int:
         from .evaluation import evaluate_run
         ev = evaluate_run(run_dir)
         print(ev.summary())
-        for s, reasons in ev.warnings:
-            print(f"  warning at step {s}: {'; '.join(reasons)}")
+        print("  timeline (each change of the monitor's state, with the training loss at that step):")
+        for s, state, loss, reasons in ev.timeline:
+            loss_text = "-" if loss is None else f"{loss:.3f}"
+            print(f"  step {s:>7}  {state:<8}  loss {loss_text:>7}  {'; '.join(reasons)}")
         if args.out:
             from ..utils.atomic import atomic_write_text
             atomic_write_text(args.out, json.dumps(_clean(ev.to_dict()), indent=1) + "\n")

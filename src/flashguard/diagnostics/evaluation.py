@@ -18,7 +18,7 @@ from pathlib import Path
 from .. import keys
 from ..train.divergence import find_divergence, rule_of
 from ..utils.jsonl import read_metrics
-from .monitor import OK, WARNING, WATCH, Monitor, MonitorThresholds
+from .monitor import STATE_NAMES, WARNING, WATCH, Monitor, MonitorThresholds
 
 __all__ = ["RunEvaluation", "evaluate_run", "evaluate_runs"]
 
@@ -39,6 +39,9 @@ class RunEvaluation:
     false_alarm: bool              # a warning although the run did not diverge
     has_probes: bool               # the run logged probe metrics (else only grad/loss signals)
     warnings: list = field(default_factory=list)  # [step, reasons] at each entry into warning
+    # the warning timeline next to the loss: [step, state name, loss at that step, reasons] at the
+    # first record and at every change of state, up to the divergence step
+    timeline: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,12 +98,14 @@ def evaluate_run(metrics, thresholds: MonitorThresholds | None = None, *, warmup
     div_step, div_reason = find_divergence(records, **rule)
     mon = Monitor(th)
     first_watch = first_warning = None
-    warnings = []
-    prev = OK
+    warnings, timeline = [], []
+    prev = None
     for r in records:
         st = mon.update(r)
         if div_step is not None and st.step > div_step:
             break
+        if st.state != prev:
+            timeline.append([st.step, STATE_NAMES[st.state], r.get(keys.LOSS_TRAIN), list(st.reasons)])
         if st.state >= WATCH and first_watch is None:
             first_watch = st.step
         if st.state == WARNING and first_warning is None:
@@ -108,6 +113,9 @@ def evaluate_run(metrics, thresholds: MonitorThresholds | None = None, *, warmup
         if st.state == WARNING and prev != WARNING:
             warnings.append([st.step, st.reasons])
         prev = st.state
+    if div_step is not None and timeline:
+        loss = next((r.get(keys.LOSS_TRAIN) for r in records if r[keys.STEP] == div_step), None)
+        timeline.append([div_step, "diverged", loss, [div_reason]])
     lead = None
     if div_step is not None and first_warning is not None and first_warning <= div_step:
         lead = div_step - first_warning
@@ -116,7 +124,8 @@ def evaluate_run(metrics, thresholds: MonitorThresholds | None = None, *, warmup
         diverged=div_step is not None, divergence_step=div_step, divergence_reason=div_reason,
         first_watch_step=first_watch, first_warning_step=first_warning, lead_time=lead,
         false_alarm=div_step is None and first_warning is not None,
-        has_probes=any(any(_WQ_HEAD_NORM.fullmatch(k) for k in r) for r in records), warnings=warnings)
+        has_probes=any(any(_WQ_HEAD_NORM.fullmatch(k) for k in r) for r in records), warnings=warnings,
+        timeline=timeline)
 
 
 def evaluate_runs(runs, thresholds: MonitorThresholds | None = None, *, goal: int = 200) -> dict:
