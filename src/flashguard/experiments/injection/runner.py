@@ -76,13 +76,14 @@ def run_injection(preset: InjectionPreset, out: str | Path, *, seeds=None, steps
 def _write(out: Path, preset: InjectionPreset, grid, seeds, steps: int, common, *, figures: bool) -> dict:
     cols = [c for c, _, _ in columns(preset.ps)]
     alphas = sorted(float(a) for a in preset.alphas)
-    runs, outcomes, summaries = [], {}, {}
+    runs, outcomes, summaries, by_cell = [], {}, {}, {}
     for seed in seeds:
         for arm in grid:
             d = out / "runs" / f"s{seed}" / arm.name
             o = run_outcome(d, steps)
             outcomes[(seed, arm.name)] = o
             summaries.setdefault((arm.column, arm.alpha), {})[seed] = o["summary"]
+            by_cell.setdefault((arm.column, arm.alpha), {})[seed] = o
             runs.append({"name": arm.name, "title": arm.run_spec(seed).title, "seed": seed, "column": arm.column,
                          "rule": arm.rule, "p": arm.p,
                          "alpha": arm.alpha, "dir": f"runs/s{seed}/{arm.name}",
@@ -93,27 +94,24 @@ def _write(out: Path, preset: InjectionPreset, grid, seeds, steps: int, common, 
     verdict = (judge_coherence(cells, alphas, coherent=coherent) if coherent and "zero-mean" in cols else
                {"id": "I1", "title": "", "verdict": "inconclusive",
                 "evidence": "the grid needs a zero-mean column (p = 0.5) and a coherent one (p > 0.5)", "numbers": {}})
-    # the arithmetic's own lean (baseline arms' probes), the grid by coherent component, C3
-    baselines = {seed: out / "runs" / f"s{seed}" / a.name for seed in seeds for a in grid if a.baseline}
-    lean = {seed: real_bias_ratio(read_jsonl(d / "metrics.jsonl")) if (d / "metrics.jsonl").exists() else
-            real_bias_ratio([]) for seed, d in baselines.items()}
+    # the arithmetic's own lean (the baseline arm's probes), the grid by coherent component, C3
+    base = next((a for a in grid if a.baseline), None)
+    finished = ("done", "diverged")
+    base_out = {} if base is None else {seed: outcomes[(seed, base.name)] for seed in seeds
+                                        if outcomes[(seed, base.name)]["summary"]["status"] in finished}
+    lean = {} if base is None else {
+        seed: real_bias_ratio(read_jsonl(m) if (m := out / "runs" / f"s{seed}" / base.name / "metrics.jsonl").exists()
+                              else []) for seed in seeds}
     b = max((x["b"] for x in lean.values() if x["b"] is not None), default=None)
     upper = max((x["upper"] for x in lean.values() if x["upper"] is not None), default=None)
     rows = by_component(runs, b)
-    runaways = [{"seed": seed, "name": name, "steps": runaway_steps(o, outcomes[(seed, base.name)])}
-                for (seed, name), o in outcomes.items() for base in grid
-                if base.baseline and name != base.name and o["summary"]["status"] == "diverged"
-                and outcomes[(seed, base.name)]["summary"]["status"] in ("done", "diverged")]
+    runaways = [{"seed": seed, "name": name, "steps": runaway_steps(o, base_out[seed])}
+                for (seed, name), o in outcomes.items()
+                if seed in base_out and name != base.name and o["summary"]["status"] == "diverged"]
     n_layers = max((len(o["wq_norm"]) for o in outcomes.values()), default=0)
     verdicts = [verdict]
     if n_layers:
         verdicts.append(judge_leading_layer([r["steps"] for r in runaways], n_layers))
-        base_out = {seed: outcomes[(seed, a.name)] for seed in seeds for a in grid if a.baseline
-                    and outcomes[(seed, a.name)]["summary"]["status"] in ("done", "diverged")}
-        by_cell: dict = {}
-        for (seed, name), o in outcomes.items():
-            arm = next(a for a in grid if a.name == name)
-            by_cell.setdefault((arm.column, arm.alpha), {})[seed] = o
         if coherent and "zero-mean" in cols and base_out:
             verdicts.append(judge_runaway(by_cell, base_out, alphas, coherent=coherent))
     result = {"experiment": "injection", "preset": preset.name, "about": preset.about, "repro_preset": preset.repro,
