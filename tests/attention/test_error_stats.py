@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from flashguard.attention.error_stats import (ALPHA, BIAS_RATIO_MIN, bias_stats, paired_bias, sign_test_p,
-                                              unit_means)
+from flashguard.attention.error_stats import (ALPHA, BIAS_RATIO_MIN, bias_stats, leans_beyond_floor, paired_bias,
+                                              sign_test_p, unit_means)
 
 
 def test_sign_test_exact_values():
@@ -77,3 +77,20 @@ def test_non_finite_is_not_hidden():
     s = bias_stats(x, "row")
     assert s.verdict == "non-finite" and not s.biased and math.isnan(s.mean)
     assert ALPHA == 1e-3
+
+
+@pytest.mark.parametrize("floor_mean, own_mean, leans", [
+    (0.0, 0.3, True),     # the floor is unbiased, the arithmetic leans: a lean
+    (0.3, 0.6, True),     # both lean +, the arithmetic further: a lean
+    (-0.3, 0.3, True),    # the arithmetic leans the other way than the floor: a lean of its own
+    (-0.3, 0.0, False),   # unbiased against fp64 while the floor leans: differs from the floor, no lean
+    (0.6, 0.3, False),    # between the floor and the truth: less biased than the floor, no lean
+    (0.0, 0.0, False),    # neither leans
+])
+def test_lean_beyond_the_floor_needs_a_bias_of_its_own_in_that_direction(floor_mean, own_mean, leans):
+    g = torch.Generator().manual_seed(4)
+    n = 3000
+    floor = floor_mean + torch.randn(n, generator=g, dtype=torch.float64)
+    # the arithmetic's error: the problems' shared part (the floor's) plus noise of its own, re-centred on own_mean
+    own = floor - floor_mean + own_mean + 0.5 * torch.randn(n, generator=g, dtype=torch.float64)
+    assert leans_beyond_floor(bias_stats(own, "row"), paired_bias(own, floor, "row")) is leans

@@ -16,6 +16,15 @@ units, and the exact sign test). A lean counts as a bias when |z| >= Z_CRIT (two
 p < ALPHA) and |bias ratio| >= BIAS_RATIO_MIN. Against the noise floor (the fp32 arithmetic
 on the same problems) the comparison is paired: the unit errors of the two arithmetics are
 subtracted unit by unit, so the problems' own variation cancels.
+
+A lean *beyond the floor* (``leans_beyond_floor``, the one rule every judge uses) needs both:
+the arithmetic's own error against fp64 is a bias, and the paired difference from the floor is a
+bias of the same sign, i.e. the arithmetic errs further in its own direction than the ideal
+arithmetic with the same output rounding does. A paired difference alone is not a lean: the
+floor has leans of its own (its one rounding of O, e.g. +362e-6 at z +86 with two tied keys in
+bf16), and an arithmetic whose O lands elsewhere on the output grid can differ from the floor
+significantly while its error against fp64 has no lean at all (fp8 with a consistent row sum:
+O -1e-6 at z -0.8 against the floor's -74e-6 at z -64; docs/lab/lab.md).
 """
 from __future__ import annotations
 
@@ -25,7 +34,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 __all__ = ["UNITS", "ALPHA", "Z_CRIT", "BIAS_RATIO_MIN", "BiasStats", "unit_means", "bias_stats",
-           "paired_bias", "sign_test_p"]
+           "paired_bias", "sign_test_p", "leans_beyond_floor"]
 
 UNITS = ("row", "sequence")
 ALPHA = 1e-3            # two-sided: a lab run tests dozens of cells, so one false alarm in a
@@ -95,9 +104,10 @@ class BiasStats:
     def to_dict(self) -> dict:
         return {**asdict(self), "ci95": self.ci95, "verdict": self.verdict}
 
-    def cell(self, scale: float = 1e-6) -> str:
-        """``-222 (z -5.6)``: the mean in units of ``scale`` with its z, marked when biased."""
-        mark = "**" if self.biased else ""
+    def cell(self, scale: float = 1e-6, *, marked: bool | None = None) -> str:
+        """``-222 (z -5.6)``: the mean in units of ``scale`` with its z, marked (bold) when
+        ``marked`` - by default when biased; a lean beyond the floor passes its own rule."""
+        mark = "**" if (self.biased if marked is None else marked) else ""
         return f"{mark}{self.mean / scale:+.0f}{mark} (z {self.z:+.1f})"
 
 
@@ -127,3 +137,11 @@ def paired_bias(a: torch.Tensor, b: torch.Tensor, unit: str) -> BiasStats:
     if a.shape != b.shape:
         raise ValueError(f"paired_bias: unit tensors differ in shape, {tuple(a.shape)} vs {tuple(b.shape)}")
     return bias_stats(a - b, unit, mean_abs=float(a.to(torch.float64).abs().mean()))
+
+
+def leans_beyond_floor(own: BiasStats, vs_floor: BiasStats) -> bool:
+    """The arithmetic leans beyond its noise floor: its own error (``own``, against fp64) is a
+    bias and its paired lean beyond the floor (``vs_floor``) is a bias of the same sign (module
+    docstring). An arithmetic between the floor and the truth, or indistinguishable from the
+    truth, does not lean, however much it differs from the floor."""
+    return own.biased and vs_floor.biased and (own.mean > 0) == (vs_floor.mean > 0)

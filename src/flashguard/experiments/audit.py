@@ -104,7 +104,7 @@ def run_audit(kernels=None, *, quick: bool = False, seed: int = 0, device: str =
                 rows.append({"kernel": name, "condition": c.label(), "error": f"{type(e).__name__}: {e}"})
                 continue
             rows.append({"kernel": name, **m.to_dict()})
-            if c.ties > 1 and (m.o_vs_floor.biased or m.delta_vs_floor.biased):
+            if c.ties > 1 and m.leans:
                 leaning.append(c.label())
         tried = [r for r in rows if r["kernel"] == name and "error" not in r and r["problem"]["ties"] > 1]
         if not tried:
@@ -125,7 +125,8 @@ def _md(result: dict) -> str:
 
     def cell(r, part):
         s = r[part]
-        mark = "**" if s["verdict"].startswith("biased") else ""
+        lean = r.get({"o_vs_floor": "o_leans", "delta_vs_floor": "delta_leans"}.get(part, ""))
+        mark = "**" if (s["verdict"].startswith("biased") if lean is None else lean) else ""
         return f"{mark}{s['mean'] * 1e6:+.0f}{mark} ({s['z']:+.1f}, r {s['bias_ratio']:+.2f})"
 
     def table(part):

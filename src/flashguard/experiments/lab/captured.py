@@ -131,7 +131,7 @@ def run_captured(problems: list[CapturedProblem], policies, *, bench: Bench | No
     for pol in policies:
         say(f"  captured: {pol}")
         plain, removed_by, failures = judge_candidates(pol, problems, measure)
-        leaning = [p.name for p, m in plain.items() if m.o_vs_floor.biased or m.delta_vs_floor.biased]
+        leaning = [p.name for p, m in plain.items() if m.leans]
         answers[pol] = {"leaning": leaning, "removed_by": removed_by, "failures": failures,
                         "line": (f"leans beyond the floor on {len(leaning)} of {len(problems)} captured problems"
                                  + (f"; removed by: {', '.join(removed_by) or 'nothing the lab tried'}" if leaning

@@ -26,10 +26,11 @@ import torch
 
 from ...attention.trace import Arithmetic
 from ...numerics import get_policy, round_to
+from ...numerics.policy import PrecisionPolicy
 from .measure import Bench, Measurement
 from .problems import Problem
 
-__all__ = ["run_lab", "STABILIZER_SET", "FORMAT_POLICIES", "fix_candidates", "MAE_FACTOR",
+__all__ = ["run_lab", "STABILIZER_SET", "FORMAT_POLICIES", "fix_candidates", "unrounded_output", "MAE_FACTOR",
            "DECOMPOSITION", "judge_fix", "judge_candidates", "verdict_over"]
 
 STABILIZER_SET = ["none", "paper", "paper:beta=7", "safe"]
@@ -45,19 +46,30 @@ DECOMPOSITION = {
     "PV + O acc. + statistics": {"pv": "fp32", "o_accum": "fp32", "stats": "fp32"},
     "row sum from rounded Pbar": {"row_sum_rounded": True},
     "delta product and sum": {"delta_product": "fp32", "delta": "fp32"},
+    "O left unrounded (fp32 output; floor likewise)": {"output": "fp32"},
+    "row sum from rounded Pbar, O unrounded": {"row_sum_rounded": True, "output": "fp32"},
 }
 
 
-def fix_candidates(policy: str) -> list[Arithmetic]:
-    """What a user could change in ``policy``: each stabilizer, and the arithmetic changes the
-    lab measures (the fp32 forward accumulators; the consistent row sum of FA PR #2721)."""
-    out = [Arithmetic.of(policy, s) for s in STABILIZER_SET if s != "none"]
+def fix_candidates(policy) -> list[Arithmetic]:
+    """What a user could change in ``policy`` (a name or a PrecisionPolicy): each stabilizer, and
+    the arithmetic changes the lab measures (the fp32 forward accumulators of ``paper-fp32fwd``,
+    for ``paper`` with any output format; the consistent row sum of FA PR #2721)."""
     p = get_policy(policy)
-    if policy == "paper":
-        out.append(Arithmetic.of("paper-fp32fwd"))
+    out = [Arithmetic.of(p, s) for s in STABILIZER_SET if s != "none"]
+    paper = get_policy("paper")
+    if p.replace(name="paper", output=paper.output) == paper:
+        fp32fwd = get_policy("paper-fp32fwd")
+        out.append(Arithmetic.of(fp32fwd if p.output == paper.output else fp32fwd.replace(output=p.output)))
     if not p.row_sum_rounded:
         out.append(Arithmetic.of(p.replace(row_sum_rounded=True)))
     return out
+
+
+def unrounded_output(policy) -> "PrecisionPolicy":
+    """``policy`` with O left in fp32 (its floor too: floor_arithmetic keeps the output format):
+    the arithmetic's own error before O's one rounding to the output format."""
+    return get_policy(policy).replace(output="fp32")
 
 
 def verdict_over(flags: dict[str, bool]) -> str:
@@ -72,7 +84,16 @@ def verdict_over(flags: dict[str, bool]) -> str:
 
 
 def _leans(m: Measurement) -> bool:
-    return m.o_vs_floor.biased or m.delta_vs_floor.biased
+    return m.leans
+
+
+def _o(m: Measurement) -> str:
+    """O beyond the floor, bold when it leans, with its own error against fp64."""
+    return f"{m.o_vs_floor.cell(marked=m.o_leans)} [against fp64 {m.o.cell()}]"
+
+
+def _delta(m: Measurement) -> str:
+    return f"{m.delta_vs_floor.cell(1e-6, marked=m.delta_leans)}"
 
 
 def judge_fix(plain: Measurement, fixed: Measurement) -> tuple[bool, str]:
@@ -81,17 +102,16 @@ def judge_fix(plain: Measurement, fixed: Measurement) -> tuple[bool, str]:
         return False, f"{fixed.bad_rows} non-finite or zeroed rows"
     if _leans(plain):
         if _leans(fixed):
-            return False, (f"still leans: O {fixed.o_vs_floor.cell()}, delta {fixed.delta_vs_floor.cell(1e-6)} "
-                           f"(none: O {plain.o_vs_floor.cell()})")
+            return False, f"still leans: O {_o(fixed)}, delta {_delta(fixed)} (none: O {_o(plain)})"
         return True, ""
     if _leans(fixed):
-        return False, f"adds a lean: O {fixed.o_vs_floor.cell()}, delta {fixed.delta_vs_floor.cell(1e-6)}"
+        return False, f"adds a lean: O {_o(fixed)}, delta {_delta(fixed)}"
     if fixed.o_mae > MAE_FACTOR * plain.o_mae:
         return False, f"less accurate: mean |O error| {fixed.o_mae / plain.o_mae:.2f}x that of no fix"
     return True, ""
 
 
-def judge_candidates(policy: str, problems, measure) -> tuple[dict, list[str], dict]:
+def judge_candidates(policy, problems, measure) -> tuple[dict, list[str], dict]:
     """Every fix candidate of ``policy`` against no fix on ``problems`` (``judge_fix`` on each):
     (plain {problem: Measurement}, labels of the candidates that pass everywhere, {label: the
     reasons it failed}). ``measure(problem, arithmetic)`` returns (and may record) a Measurement."""
@@ -150,8 +170,8 @@ def run_lab(quick: bool = False, policy: str = "paper", seed: int = 0, progress=
     flags, notes = {}, []
     for c in tied:
         m = cell(c, Arithmetic.of(policy), "i")
-        flags[c.label()] = m.o_vs_floor.verdict == "biased -" and m.delta_vs_floor.verdict == "biased +"
-        notes.append(f"{c.label()}: O {m.o_vs_floor.cell()}, delta {m.delta_vs_floor.cell(1e-6)}"
+        flags[c.label()] = (m.o_leans and m.o_vs_floor.mean < 0) and (m.delta_leans and m.delta_vs_floor.mean > 0)
+        notes.append(f"{c.label()}: O {_o(m)}, delta {_delta(m)}"
                      f" [tail {m.tail_half_ulps:.2f} half-ulps]")
     verdicts["i_tie_bias"], details["i_tie_bias"] = verdict_over(flags), notes
 
@@ -161,7 +181,7 @@ def run_lab(quick: bool = False, policy: str = "paper", seed: int = 0, progress=
     for c in conds["no_ties"]:
         m = cell(c, Arithmetic.of(policy), "ii")
         flags[c.label()] = not _leans(m)
-        notes.append(f"{c.label()}: O {m.o_vs_floor.cell()}, delta {m.delta_vs_floor.cell(1e-6)}")
+        notes.append(f"{c.label()}: O {_o(m)}, delta {_delta(m)}")
     verdicts["ii_no_ties_no_bias"], details["ii_no_ties_no_bias"] = verdict_over(flags), notes
 
     # (iii) the study's fix removes the lean where there is one (beta = 2 and 7)
@@ -173,8 +193,8 @@ def run_lab(quick: bool = False, policy: str = "paper", seed: int = 0, progress=
             fixed = cell(c, Arithmetic.of(policy, stab), "iii")
             if _leans(plain):
                 flags[c.label()] = not _leans(fixed) and not fixed.bad_rows
-                notes.append(f"{c.label()}: none O {plain.o_vs_floor.cell()} -> {fixed.stabilizer} O "
-                             f"{fixed.o_vs_floor.cell()}, delta {fixed.delta_vs_floor.cell(1e-6)}"
+                notes.append(f"{c.label()}: none O {_o(plain)} -> {fixed.stabilizer} O {_o(fixed)}, "
+                             f"delta {_delta(fixed)}"
                              + (f", {fixed.bad_rows} bad rows" if fixed.bad_rows else ""))
         verdicts[key] = verdict_over(flags)
         details[key] = notes or ["no condition leans without the fix: nothing to remove"]
@@ -202,6 +222,20 @@ def run_lab(quick: bool = False, policy: str = "paper", seed: int = 0, progress=
             line = ("biased under ties: no; nothing to fix (no stabilizer needed); harmless candidates: "
                     + (", ".join(removed_by) if removed_by else "none"))
         answers[pol] = {"line": line, "biased_conditions": biased, "removed_by": removed_by, "failures": failures}
+        if biased and not removed_by:
+            # nothing removes it at the output format: judge the arithmetic's own error before O's one
+            # rounding (output fp32, floor likewise), to tell a lean of the arithmetic from one of the
+            # output rounding of a perturbed O (e.g. O near the binade edges of a coarse V grid)
+            say(f"  {pol}, O unrounded")
+            plain_u, removed_u, failures_u = judge_candidates(unrounded_output(pol), all_conds,
+                                                              lambda c, a: cell(c, a, "fixes-unrounded"))
+            biased_u = [c.label() for c in tied + conds["others"] if _leans(plain_u[c])]
+            answers[pol]["unrounded"] = {"biased_conditions": biased_u, "removed_by": removed_u,
+                                         "failures": failures_u}
+            answers[pol]["line"] += (f"; before O's one rounding to {get_policy(pol).output}: biased "
+                                     + (f"yes ({len(biased_u)} of {len(tied) + len(conds['others'])}), removed by: "
+                                        f"{', '.join(removed_u) if removed_u else 'nothing the lab tried'}"
+                                        if biased_u else "no"))
 
     # where the bias enters: raise one component at a time to fp32
     say("decomposition")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...attention.error_stats import BiasStats, bias_stats, paired_bias, unit_means
+from ...attention.error_stats import BiasStats, bias_stats, leans_beyond_floor, paired_bias, unit_means
 from ...attention.trace import Arithmetic, Trace, floor_arithmetic, trace
 from .problems import Problem, half_ulp_bf16, make_problem, tail_mass
 
@@ -41,12 +41,27 @@ class Measurement:
     def condition(self) -> str:
         return self.problem.label()
 
+    @property
+    def o_leans(self) -> bool:
+        """O leans beyond the floor (attention.error_stats.leans_beyond_floor)."""
+        return leans_beyond_floor(self.o, self.o_vs_floor)
+
+    @property
+    def delta_leans(self) -> bool:
+        return leans_beyond_floor(self.delta, self.delta_vs_floor)
+
+    @property
+    def leans(self) -> bool:
+        """O or delta leans beyond the floor: the one rule the lab, the audit and the captured
+        problems judge by."""
+        return self.o_leans or self.delta_leans
+
     def to_dict(self) -> dict:
         d = {"condition": self.condition, "problem": self.problem.to_dict(), "arithmetic": self.arithmetic,
              "policy": self.policy, "stabilizer": self.stabilizer}
         for name in ("o", "delta", "o_vs_floor", "delta_vs_floor", "o_floor"):
             d[name] = getattr(self, name).to_dict()
-        d.update(o_mae=self.o_mae, o_mae_floor=self.o_mae_floor, bad_rows=self.bad_rows, tie_rate=self.tie_rate,
+        d.update(o_leans=self.o_leans, delta_leans=self.delta_leans, o_mae=self.o_mae, o_mae_floor=self.o_mae_floor, bad_rows=self.bad_rows, tie_rate=self.tie_rate,
                  multi_one=self.multi_one, tail_half_ulps=self.tail_half_ulps)
         return d
 

@@ -20,9 +20,15 @@ TITLES = {
 }
 
 
+# paired cells are bold when the arithmetic leans beyond the floor (error_stats.leans_beyond_floor:
+# its own error a bias of the paired lean's sign); a unit error against fp64 when it is a bias
+_LEAN_FLAG = {"o_vs_floor": "o_leans", "delta_vs_floor": "delta_leans"}
+
+
 def _vs(row: dict, part: str = "o_vs_floor") -> str:
     s = row[part]
-    mark = "**" if s["verdict"].startswith("biased") else ""
+    lean = row.get(_LEAN_FLAG[part]) if part in _LEAN_FLAG else None
+    mark = "**" if (s["verdict"].startswith("biased") if lean is None else lean) else ""
     return f"{mark}{s['mean'] * 1e6:+.0f}{mark} ({s['z']:+.1f})"
 
 
@@ -62,7 +68,11 @@ def render_markdown(result: dict) -> str:
           "(the error averaged over the row's features; per instance for the sink problem).",
           "", "Cells: the mean unit error of O beyond the noise floor, in units of 1e-6, and its z (paired:",
           "the floor is the `fp32` arithmetic with the same input and output formats on the same problems).",
-          f"**Bold**: a lean (|z| >= {Z_CRIT:.2f}, two-sided p < 0.001, and |bias ratio| >= {BIAS_RATIO_MIN}).",
+          f"**Bold**: a lean beyond the floor: the arithmetic's own error against fp64 is a bias (|z| >= {Z_CRIT:.2f},",
+          f"two-sided p < 0.001, and |bias ratio| >= {BIAS_RATIO_MIN}) and so is its paired difference from the floor,",
+          "with the same sign (it errs further in its own direction than the floor does). A large z without",
+          "bold is an arithmetic that differs from the floor but not towards a lean of its own (e.g. less",
+          "biased than the floor: its O lands elsewhere on the output grid).",
           "The first row of each table is the floor's own lean against fp64 (its bf16 output rounding):",
           "a lean no attention arithmetic with a bf16 output can remove.", "",
           "## Answers per arithmetic", ""]
@@ -78,6 +88,19 @@ def render_markdown(result: dict) -> str:
         md.append(_grid(rows, "fixes", arith, "o_vs_floor"))
         md += ["", "delta = rowsum(dO * O) beyond the floor (1e-6, z):", ""]
         md.append(_grid(rows, "fixes", arith, "delta_vs_floor", floor_row=False))
+        unrounded = result["answers"][pol].get("unrounded")
+        if unrounded:
+            u_arith = list(dict.fromkeys(r["arithmetic"] for r in rows if r["experiment"] == "fixes-unrounded"
+                                         and r["policy"].split("[")[0] == pol))
+            md += ["", f"Nothing removes the lean at the output format, so the same measured with O left unrounded "
+                       f"(fp32 output, its floor likewise): the arithmetic's own error before O's one rounding.", ""]
+            md.append(_grid(rows, "fixes-unrounded", u_arith, "o_vs_floor"))
+            md += ["", "delta, O unrounded:", ""]
+            md.append(_grid(rows, "fixes-unrounded", u_arith, "delta_vs_floor", floor_row=False))
+            if unrounded["failures"]:
+                md += ["", "Why candidates fail with O unrounded (first reason each):", ""]
+                md += [f"* `{a}`: {rs[0]}" + (f" (and {len(rs) - 1} more conditions)" if len(rs) > 1 else "")
+                       for a, rs in unrounded["failures"].items()]
         fails = result["answers"][pol]["failures"]
         if fails:
             md += ["", "Why the other candidates fail (first reason each):", ""]
