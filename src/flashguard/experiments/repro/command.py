@@ -12,17 +12,19 @@ __all__ = ["add_repro_arguments", "run_repro_command"]
 
 def add_repro_arguments(p: argparse.ArgumentParser) -> None:
     from ..injection.presets import INJECTION_PRESETS
+    from ..lr_sensitivity.presets import LR_PRESETS
     p.add_argument("--preset", default="tiny-cpu",
                    help=f"training set-up (default: tiny-cpu); claims: {', '.join(PRESETS)}; "
-                        f"injection: {', '.join(INJECTION_PRESETS)}")
-    p.add_argument("--experiment", default="claims", choices=("claims", "injection", "early-warning"),
+                        f"injection: {', '.join(INJECTION_PRESETS)}; lr-sensitivity: {', '.join(LR_PRESETS)}")
+    p.add_argument("--experiment", default="claims", choices=("claims", "injection", "early-warning", "lr-sensitivity"),
                    help="claims: the study's claims as matched runs (default); injection: the delta error-injection "
                         "grid (alpha x sign rule) with its phase diagram; early-warning: the early-warning detectors "
-                        "measured on finished runs (--runs), nothing trained")
+                        "measured on finished runs (--runs), nothing trained; lr-sensitivity: final loss over a log "
+                        "grid of learning rates per attention arithmetic (Wortsman et al. 2023), with verdicts")
     p.add_argument("--runs", nargs="+", metavar="DIR",
                    help="early-warning: folders of finished runs (searched recursively; unfinished runs skipped)")
-    p.add_argument("--seeds", help="injection: comma-separated training seeds, every arm per seed (default: the "
-                                   "config's train.seed)")
+    p.add_argument("--seeds", help="injection, lr-sensitivity: comma-separated training seeds, every arm (every "
+                                   "run of the grid) per seed (default: the config's train.seed)")
     p.add_argument("--claims", default=None,
                    help=f"comma-separated claims to test (default: all of {','.join(CLAIMS)}); only their runs are trained")
     p.add_argument("--remedies", action="store_true", help="also train QK-LayerNorm, z-loss and soft-capping runs "
@@ -39,10 +41,12 @@ def run_repro_command(args) -> int:
         return _run_injection_command(args)
     if args.experiment == "early-warning":
         return _run_early_warning_command(args)
+    if args.experiment == "lr-sensitivity":
+        return _run_lr_sensitivity_command(args)
     if args.runs is not None:
         raise ValueError("--runs applies to --experiment early-warning only")
     if args.seeds is not None:
-        raise ValueError("--seeds applies to --experiment injection only")
+        raise ValueError("--seeds applies to --experiment injection and lr-sensitivity only")
     claims = [c.strip().upper() for c in (args.claims or ",".join(CLAIMS)).split(",") if c.strip()]
     result = run_repro(get_preset(args.preset), args.out, claims=claims, remedies=args.remedies, steps=args.steps,
                        overrides=args.overrides)
@@ -57,14 +61,7 @@ def _run_injection_command(args) -> int:
     from ..injection import get_injection_preset, run_injection
     if args.claims is not None or args.remedies:
         raise ValueError("--claims and --remedies apply to --experiment claims, not injection")
-    seeds = None
-    if args.seeds is not None:
-        try:
-            seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-        except ValueError:
-            raise ValueError(f"--seeds must be comma-separated integers, got {args.seeds!r}") from None
-        if not seeds:
-            raise ValueError("--seeds is empty")
+    seeds = _seeds(args.seeds)
     result = run_injection(get_injection_preset(args.preset), args.out, seeds=seeds, steps=args.steps,
                            overrides=args.overrides)
     for col in result["columns"]:
@@ -72,6 +69,38 @@ def _run_injection_command(args) -> int:
     for c in result["claims"]:
         print(f"{c['id']}  {c['verdict']:<12}  {c['evidence']}")
     print(f"table and runs: {args.out}/injection.md; figures: {', '.join(result['figures'])}")
+    return 0
+
+
+def _seeds(text: str | None) -> list[int] | None:
+    """--seeds as a list of integers (None: not given)."""
+    if text is None:
+        return None
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds must be comma-separated integers, got {text!r}") from None
+    if not seeds:
+        raise ValueError("--seeds is empty")
+    return seeds
+
+
+def _run_lr_sensitivity_command(args) -> int:
+    from ..lr_sensitivity import get_lr_preset, run_lr_sensitivity
+    wrong = [n for n, v in (("--claims", args.claims), ("--remedies", args.remedies or None), ("--runs", args.runs))
+             if v is not None]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)}: not for --experiment lr-sensitivity (it trains its own lr grid; "
+                         "--claims and --remedies are for claims, --runs for early-warning)")
+    result = run_lr_sensitivity(get_lr_preset(args.preset), args.out, seeds=_seeds(args.seeds), steps=args.steps,
+                                overrides=args.overrides)
+    for m in result["means"]:
+        largest = ", ".join("none" if x is None else f"{x:.3g}" for x in m["largest_trainable_lr"])
+        sens = "-" if m["sensitivity"] is None else f"{m['sensitivity']:.3f}"
+        print(f"{m['arithmetic']:<16} LR sensitivity {sens} (mean over seeds); largest trainable lr per seed {largest}")
+    for c in result["claims"]:
+        print(f"{c['id']}  {c['verdict']:<12}  {c['evidence']}")
+    print(f"tables and runs: {args.out}/lr_sensitivity.md; figure: {', '.join(result['figures'])}")
     return 0
 
 
