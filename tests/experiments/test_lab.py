@@ -118,3 +118,23 @@ def test_lab_cli_writes_json_md_and_figures(tmp_path, monkeypatch, capsys):
     for name in ("bias_vs_k", "bias_vs_format"):
         png = (tmp_path / f"{name}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_fp8_lean_is_the_row_sum_mismatch_and_the_consistent_sum_removes_it(bench):
+    # known answers in both directions in fp8: without the fix the arithmetic's own O (before its one
+    # rounding) leans by about the tail mass the PV operand rounds away; with l summed from the same
+    # rounded Pbar it does not
+    from flashguard.experiments.lab.experiments import unrounded_output
+    p = Problem(ties=2, tail=0.25, n_rows=1024)
+    plain = bench.measure(p, Arithmetic.of(unrounded_output("fa2-e4m3")))
+    fixed = bench.measure(p, Arithmetic.of(unrounded_output("fa2-e4m3[row_sum_rounded=true]")))
+    assert plain.o_leans and plain.o.mean > 0 and plain.delta_leans
+    assert not fixed.leans and judge_fix(plain, fixed) == (True, "")
+
+
+def test_differing_from_the_floor_is_not_a_lean(bench):
+    # fp8 with the consistent row sum, no ties: its O differs from the floor's at |z| > 10 because the
+    # floor's own rounding of O leans, while its own error against fp64 has no lean
+    m = bench.measure(Problem(ties=1, tail=0.25, n_rows=1024), Arithmetic.of("fa2-e4m3[row_sum_rounded=true]"))
+    assert m.o_vs_floor.biased and abs(m.o_vs_floor.z) > 10 and m.o_floor.biased
+    assert not m.o.biased and not m.o_leans
