@@ -27,7 +27,9 @@ __all__ = ["STEP", "LOSS_TRAIN", "LOSS_VAL", "LR", "GRAD_NORM", "STEP_TIME", "TO
            "WQ_NORM", "WK_NORM", "WQ_GROWTH", "WK_GROWTH", "WQ_NORM_MAX", "WK_NORM_MAX", "WQ_GROWTH_MAX",
            "WK_GROWTH_MAX", "MAX_LOGIT", "SINK_MASS", "SINK_TOP_FRAC", "TIE_RATE", "PBAR_ONE", "PBAR_ONE_MULTI",
            "O_ERR_BIAS", "O_ERR_ABS", "O_ERR_BIAS_ABSMAX", "O_ERR_BIAS_VSIGN", "DELTA_ERR_MEAN", "DELTA_ERR_ABS",
-           "DELTA_ERR_REL", "DELTA_ERR_POS_FRAC", "DELTA_ERR_CUMSUM", "O_ERR_Z", "DELTA_ERR_Z", "WQ_ERR_SV", "WQ_ERR_RANK1_FRAC",
+           "DELTA_ERR_REL", "DELTA_ERR_POS_FRAC", "DELTA_ERR_CUMSUM", "O_ERR_Z", "DELTA_ERR_Z",
+           "EXACT_TIE_RATE", "TIE_AT_SINK", "TIE_AT_SINK_CHANCE", "V_SIGN_AGREE", "O_ERR_Z_ROW", "O_ERR_RATIO_ROW",
+           "DELTA_ERR_Z_ROW", "DELTA_ERR_RATIO_ROW", "CENSUS_METRICS", "WQ_ERR_SV", "WQ_ERR_RANK1_FRAC",
            "WQ_ERR_NORM", "WQ_ERR_REL", "WQ_ERR_COS_PREV", "WQ_ERR_COS_SUM", "WQ_ERR_ALIGN_TOP",
            "WQ_ERR_TOP_PUSH", "WQ_ERR_SV_PATTERN", "wq_err", "wq_err_sv", "parse_sv"]
 
@@ -126,7 +128,7 @@ SINK_TOP_FRAC = _m("attn", "sink_top_frac")
 # ---- numerics (numerics_metrics) -------------------------------------------------------------
 TIE_RATE = _m("numerics", "tie_rate", head=True)
 PBAR_ONE = _m("numerics", "pbar_one", head=True)
-PBAR_ONE_MULTI = _m("numerics", "pbar_one_multi")
+PBAR_ONE_MULTI = _m("numerics", "pbar_one_multi", head=True)
 O_ERR_BIAS = _m("numerics", "o_err_bias")
 O_ERR_ABS = _m("numerics", "o_err_abs")
 O_ERR_BIAS_ABSMAX = _m("numerics", "o_err_bias_absmax")
@@ -138,6 +140,18 @@ DELTA_ERR_POS_FRAC = _m("numerics", "delta_err_pos_frac")
 DELTA_ERR_CUMSUM = _m("numerics", "delta_err_cumsum")
 O_ERR_Z = _m("numerics", "o_err_z")          # z of O's error over (sequence, head) units
 DELTA_ERR_Z = _m("numerics", "delta_err_z")  # z of delta's error over (sequence, head) units
+
+# ---- the preconditions census (flashguard.diagnostics.census) --------------------------------
+EXACT_TIE_RATE = _m("numerics", "exact_tie_rate", head=True)   # (row, key tile) pairs whose max repeats bit for bit
+TIE_AT_SINK = _m("numerics", "tie_at_sink", head=True)         # of those, the share whose tied keys include key 0
+TIE_AT_SINK_CHANCE = _m("numerics", "tie_at_sink_chance", head=True)  # ... if the tied keys were drawn at random
+V_SIGN_AGREE = _m("numerics", "v_sign_agree", head=True)       # of those, mean share of one-signed V features
+O_ERR_Z_ROW = _m("numerics", "o_err_z_row")                    # z of O's error over row units
+O_ERR_RATIO_ROW = _m("numerics", "o_err_ratio_row")            # its bias ratio (mean / mean |row error|)
+DELTA_ERR_Z_ROW = _m("numerics", "delta_err_z_row")
+DELTA_ERR_RATIO_ROW = _m("numerics", "delta_err_ratio_row")
+CENSUS_METRICS = (EXACT_TIE_RATE, TIE_AT_SINK, TIE_AT_SINK_CHANCE, V_SIGN_AGREE, O_ERR_Z_ROW, O_ERR_RATIO_ROW,
+                  DELTA_ERR_Z_ROW, DELTA_ERR_RATIO_ROW)
 
 # ---- the W_Q gradient error (gradient_error_metrics; names as error_structure gives them) ----
 _SV = re.compile(r"^sv(\d+)$")
@@ -187,6 +201,7 @@ PROBE_METRICS: tuple[Metric, ...] = (
     MAX_LOGIT, SINK_MASS, SINK_TOP_FRAC,
     TIE_RATE, PBAR_ONE, PBAR_ONE_MULTI, O_ERR_BIAS, O_ERR_ABS, O_ERR_BIAS_ABSMAX, O_ERR_BIAS_VSIGN,
     DELTA_ERR_MEAN, DELTA_ERR_ABS, DELTA_ERR_REL, DELTA_ERR_POS_FRAC, DELTA_ERR_CUMSUM, O_ERR_Z, DELTA_ERR_Z,
+    *CENSUS_METRICS,
     *WQ_ERR_SV, WQ_ERR_RANK1_FRAC, WQ_ERR_NORM, WQ_ERR_REL, WQ_ERR_COS_PREV, WQ_ERR_COS_SUM, WQ_ERR_ALIGN_TOP,
     WQ_ERR_TOP_PUSH,
 )

@@ -4,9 +4,10 @@ from __future__ import annotations
 import torch
 
 
-def tied_problem(seed=0, B=2, H=2, T=64, D=64, neg=0.9, top=3.0, dtype=torch.bfloat16):
+def tied_problem(seed=0, B=2, H=2, T=64, D=64, neg=0.9, top=3.0, dtype=torch.bfloat16, sink=False):
     """Every query row i has its own pair of tied maximal keys; every other key scores 9 to 14
     below them (Pbar = exp(-9..-14): the rest of the row only sets sticky bits of the PV sum).
+    With ``sink`` one key of every pair is key 0 (an attention sink: half of every row's mass).
 
     q_i = 8 e_i and scale = 1/sqrt(64), so S[i, j] = k_j[i] exactly (one non-zero product).
     V is mostly negative (a fraction ``neg`` of entries in (-2, -1], the rest in [1, 2)), and
@@ -17,6 +18,9 @@ def tied_problem(seed=0, B=2, H=2, T=64, D=64, neg=0.9, top=3.0, dtype=torch.bfl
     q[..., torch.arange(T), torch.arange(T)] = 8.0
     s = top - 9.0 - 5.0 * torch.rand(B, H, T, T, generator=g)
     pairs = torch.stack([torch.randperm(T, generator=g)[:2] for _ in range(B * H * T)]).view(B, H, T, 2)
+    if sink:
+        pairs = torch.stack([torch.zeros(B, H, T, dtype=torch.long),
+                             torch.randint(1, T, (B, H, T), generator=g)], dim=-1)
     s.scatter_(-1, pairs, top)
     k = torch.zeros(B, H, T, D)
     k[..., :T] = s.transpose(-2, -1)

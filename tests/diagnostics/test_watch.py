@@ -19,8 +19,10 @@ from flashguard.model import GPT, AttentionSpec
 from flashguard.model.presets import model_config
 from flashguard.utils.jsonl import read_metrics
 
-PER_HEAD = (keys.MAX_LOGIT, keys.SINK_MASS, keys.TIE_RATE, keys.PBAR_ONE)
-PER_LAYER = (keys.SINK_TOP_FRAC, keys.PBAR_ONE_MULTI, keys.O_ERR_BIAS, keys.O_ERR_ABS, keys.O_ERR_BIAS_ABSMAX,
+PER_HEAD = (keys.MAX_LOGIT, keys.SINK_MASS, keys.TIE_RATE, keys.PBAR_ONE, keys.PBAR_ONE_MULTI, keys.EXACT_TIE_RATE,
+            keys.TIE_AT_SINK, keys.TIE_AT_SINK_CHANCE, keys.V_SIGN_AGREE)
+PER_LAYER = (keys.SINK_TOP_FRAC, keys.O_ERR_Z_ROW, keys.O_ERR_RATIO_ROW, keys.DELTA_ERR_Z_ROW,
+             keys.DELTA_ERR_RATIO_ROW, keys.O_ERR_BIAS, keys.O_ERR_ABS, keys.O_ERR_BIAS_ABSMAX,
              keys.O_ERR_BIAS_VSIGN, keys.O_ERR_Z, keys.DELTA_ERR_MEAN, keys.DELTA_ERR_ABS, keys.DELTA_ERR_REL,
              keys.DELTA_ERR_POS_FRAC, keys.DELTA_ERR_CUMSUM, keys.DELTA_ERR_Z)
 

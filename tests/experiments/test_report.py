@@ -184,3 +184,25 @@ def test_bad_input_raises_value_error_naming_the_folder(make, tmp_path):
 def test_two_repro_folders_are_refused(repro):
     with pytest.raises(ValueError, match="one repro folder"):
         write_report([repro, repro], repro / "out")
+
+
+def test_census_section_from_diagnose_json_and_none_without_probe_data(tmp_path):
+    from flashguard import keys
+    run = _write_run(tmp_path / "plain", probes=False)
+    md = write_report([run], tmp_path / "r0")["md"].read_text()
+    assert "Preconditions census" not in md                    # no probe data: no section
+    # a diagnosed checkpoint: one probe with planted ties at the sink and a positive delta lean
+    metrics = {keys.TIE_RATE.key(0): 0.2, keys.EXACT_TIE_RATE.key(0): 0.2, keys.TIE_AT_SINK.key(0): 0.9,
+               keys.TIE_AT_SINK_CHANCE.key(0): 0.05, keys.PBAR_ONE_MULTI.key(0): 0.2,
+               keys.SINK_MASS.key(0, 0): 0.6, keys.V_SIGN_AGREE.key(0): 0.95, keys.O_ERR_Z_ROW.key(0): -9.0,
+               keys.O_ERR_RATIO_ROW.key(0): -0.4, keys.DELTA_ERR_Z_ROW.key(0): 7.0,
+               keys.DELTA_ERR_RATIO_ROW.key(0): 0.3}
+    (run / "diagnostics").mkdir()
+    (run / "diagnostics" / "diagnose_0000120.json").write_text(json.dumps({"step": 120, "metrics": metrics}))
+    (run / "diagnostics" / "diagnose_0000121.json").write_text("{ not json")   # skipped, not fatal
+    md = write_report([run], tmp_path / "r1")["md"].read_text()
+    section = md.split("## Preconditions census", 1)[1].split("\n## ", 1)[0]
+    assert "`flashguard diagnose` JSON in diagnostics/; judged at step 120" in section
+    assert "7 present" in section and section.count("| **present** |") == 7
+    html = (tmp_path / "r1" / "report.html").read_text()
+    assert 'class="v-present"' in html

@@ -10,6 +10,9 @@
 * the trainer hook ``DiagnosticsHook`` (``train.diagnostics_every``, ``train.diagnostics_layers``;
   ``flashguard.diagnostics.trainer``), passed to ``train(..., hooks=[DiagnosticsHook()])``, and
   ``flashguard diagnose`` (``.command``);
+* the preconditions census (``.census``: the tied keys, their V signs and the row-level biases, written by
+  the probes; ``.census_table``: the run against the study's GPT-2 with a verdict per precondition, which
+  ``flashguard diagnose --census`` prints and the report shows);
 * ``Monitor`` (``.monitor``): ok / watch / warning, online;
 * ``evaluate_run`` / ``evaluate_runs`` (``.evaluation``; command line ``.evaluate``): the
   monitor replayed offline on finished runs, its lead time measured against the divergence

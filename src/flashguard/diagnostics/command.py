@@ -1,4 +1,4 @@
-"""``flashguard diagnose RUN_DIR [--step S] [--layers 1 2] [--out FILE]``: the probes on a checkpoint.
+"""``flashguard diagnose RUN_DIR [--step S] [--layers 1 2] [--census] [--out FILE]``: the probes on a checkpoint.
 
 Loads the checkpoint after S completed steps (default: the latest), rebuilds the model from
 the configuration stored in it, takes the batch the run logged for step S in batches.jsonl
@@ -13,6 +13,9 @@ monitor's own rules (``layer_flags``: ``monitor.Monitor`` fed that layer's probe
 RUN_DIR/metrics.jsonl up to step S, then this probe) and a legend of the columns, and writes
 everything (metrics, flags, per-feature O bias, singular-value spectrum, what ran) as JSON to
 --out (default RUN_DIR/diagnostics/diagnose_<S>.json).
+The preconditions census (``census_table``: ties, ties at the sink, rows with >= 2 Pbar == 1, sink
+mass, V one-signed at the tied keys, the row-level O and delta bias, against the study's GPT-2)
+goes into the JSON; ``--census`` prints its table, else one summary line.
 ``--monitor`` instead replays RUN_DIR/metrics.jsonl through the early-warning monitor;
 ``--plots`` instead draws that log's probe series (``flashguard.diagnostics.plots``) as PNGs
 into RUN_DIR/diagnostics/plots/ (both flags: both).
@@ -59,6 +62,10 @@ def add_diagnose_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only replay RUN_DIR/metrics.jsonl through the early-warning monitor")
     parser.add_argument("--plots", action="store_true",
                         help="only plot RUN_DIR/metrics.jsonl's probe series into RUN_DIR/diagnostics/plots/")
+    parser.add_argument("--census", action="store_true",
+                        help="also print the preconditions census: the study's mechanism's preconditions in this "
+                             "run (the run's probes up to the checkpoint, then this one) against the study's GPT-2, "
+                             "with a verdict per row (always in the --out JSON)")
 
 
 def _fmt(x) -> str:
@@ -239,6 +246,9 @@ def diagnose(run_dir, *, step: int | None = None, layers=None, data_dir=None, se
     from .monitor import MonitorThresholds
     history = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
     flags = layer_flags(history, metrics, ckpt_step, layers, MonitorThresholds.for_warmup(cfg.optim.warmup_steps))
+    from .census_table import census_from_records
+    before = [r for r in history if isinstance(r.get(keys.STEP), int) and r[keys.STEP] < ckpt_step]
+    found = census_from_records(before + [{**metrics, keys.STEP: ckpt_step}], layers)
     probes = {i: sum(1 for r in history if isinstance(r.get(keys.STEP), int) and r[keys.STEP] < ckpt_step
                      and len(_layer_record(r, i)) > 1) + 1 for i in layers}
     return {
@@ -247,6 +257,7 @@ def diagnose(run_dir, *, step: int | None = None, layers=None, data_dir=None, se
         "autocast": cfg.train.autocast, "state_continued": continued, "n_head": model.config.n_head,
         "versions": {"torch": torch.__version__}, "metrics": metrics, "details": details,
         "flags": {i: {"state": f.name, "reasons": f.reasons, "probes": probes[i]} for i, f in flags.items()},
+        "census": None if found is None else found.to_dict(),
     }
 
 
@@ -311,6 +322,11 @@ def run_diagnose(args: argparse.Namespace) -> int:
         why = "; ".join(f["reasons"]) if f["reasons"] else "every signal below its watch level"
         print(f"L{layer} {f['state']}: {why} (monitor rules over {n} probe{'s' if n != 1 else ''} of this layer)")
     print(legend())
+    if res["census"] is not None:
+        from .census_table import Census, format_census
+        found = Census.from_dict(res["census"])
+        print(format_census(found, heads=args.heads) if args.census
+              else f"{found.summary()} (--census prints the table)")
     out = Path(args.out) if args.out else run_dir / "diagnostics" / f"diagnose_{res['step']:07d}.json"
     from ..utils.atomic import atomic_write_text
     atomic_write_text(out, json.dumps(_clean(res), indent=1) + "\n")

@@ -26,8 +26,8 @@ backend is flash, or with an explicit ``precision``):
         repeat for ``none`` and ``safe``; >= 2 scores within ``tol`` of the max, compared in the
         scores format, for ``paper``
   numerics/pbar_one/LlHh, numerics/pbar_one/Ll   fraction of visible Pbar entries exactly 1
-  numerics/pbar_one_multi/Ll                     fraction of (row, tile) pairs with >= 2 of them
-        (the study's trigger: several V rows enter PV with weight exactly 1)
+  numerics/pbar_one_multi/LlHh, numerics/pbar_one_multi/Ll   fraction of (row, tile) pairs with >= 2 of
+        them (the study's trigger: several V rows enter PV with weight exactly 1)
   numerics/o_err_bias/Ll         mean of O_policy - O_fp64 over all outputs (signed)
   numerics/o_err_abs/Ll          mean |O_policy - O_fp64|
   numerics/o_err_bias_absmax/Ll  max over features (head, dim) of |mean error of that feature|
@@ -42,6 +42,10 @@ backend is flash, or with an explicit ``precision``):
   numerics/o_err_z/Ll, numerics/delta_err_z/Ll   z of the mean error of O / delta over independent
         units, one value per (sequence, head) (attention.error_stats): the rows of a sequence share
         its keys and values; |z| >= 3.29 is a lean at p < 0.001 (against fp64, not the floor)
+
+Preconditions census (``census.census_metrics``, with the numerics): numerics/exact_tie_rate,
+numerics/tie_at_sink, numerics/v_sign_agree (per layer and head), numerics/o_err_z_row,
+numerics/o_err_ratio_row, numerics/delta_err_z_row, numerics/delta_err_ratio_row; meanings there.
 
 Gradient error (``gradient_error_metrics``): E = J^T (dQ_policy - dQ_fp64), the part of the
 W_Q gradient error that the attention backward causes, mapped through the query projection
@@ -75,6 +79,7 @@ from ..attention.trace import Arithmetic, Trace, trace
 from ..attention.triton_flash import forward_tiles
 from ..numerics.policy import PrecisionPolicy, get_policy
 from .capture import LayerCapture, resolve_layers
+from .census import census_metrics
 from .state import ProbeState
 
 __all__ = ["weight_probe", "spectral_norms", "Shadow", "shadow", "attention_metrics", "numerics_metrics",
@@ -134,6 +139,10 @@ class Shadow:
     keep: torch.Tensor | None          # (T, T) bool, True where visible (None: all)
     v_in: torch.Tensor                 # V as the arithmetic received it (rounded to its inputs)
     trace: Trace | None = None         # None for a layer without a policy
+    arithmetic: Arithmetic | None = None  # the arithmetic the trace ran (None without a policy)
+    causal: bool = True
+    scale: float = 1.0                 # the attention scale the layer used
+    softcap: float | None = None
 
     @property
     def o_lp(self):
@@ -200,7 +209,7 @@ def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = T
     dev = cap.q.device
     fork = torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else [])
     with torch.no_grad(), torch.autocast(dev.type, enabled=False), fork:
-        t = None
+        t = arith = None
         if policy is None:
             q_in, k_in, v_in = cap.q, cap.k, cap.v
             _, lse = reference_attention(q_in, k_in, v_in, is_causal=cap.causal, scale=scale, softcap=cap.softcap,
@@ -218,7 +227,8 @@ def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = T
             lse = t.lse_ref
         s, keep = _scores64(q_in, k_in, causal=cap.causal, scale=scale, softcap=cap.softcap)
         p = torch.exp(s - lse.to(torch.float64).unsqueeze(-1))
-        return Shadow(layer=cap.layer, policy=policy, stabilizer=stab, s=s, p=p, keep=keep, v_in=v_in, trace=t)
+        return Shadow(layer=cap.layer, policy=policy, stabilizer=stab, s=s, p=p, keep=keep, v_in=v_in, trace=t,
+                      arithmetic=arith, causal=cap.causal, scale=scale, softcap=cap.softcap)
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,14 +265,16 @@ def numerics_metrics(sh: Shadow, *, state: ProbeState | None = None, details: di
     layer, t = sh.layer, sh.trace
     ties = t.ties
     per_head = lambda x: x.sum(dim=(0, 2))  # noqa: E731  (B, H, T) -> (H,)
-    tiles, tied, entries, one = (per_head(x) for x in (ties.tiles, ties.tied, ties.entries, ties.pbar_one))
+    tiles, tied, entries, one, multi = (per_head(x) for x in (ties.tiles, ties.tied, ties.entries, ties.pbar_one,
+                                                                 ties.multi_one))
     out = {}
     for h in range(tiles.shape[0]):
         out[keys.TIE_RATE.key(layer, h)] = _ratio(tied[h], tiles[h])
         out[keys.PBAR_ONE.key(layer, h)] = _ratio(one[h], entries[h])
+        out[keys.PBAR_ONE_MULTI.key(layer, h)] = _ratio(multi[h], tiles[h])
     out[keys.TIE_RATE.key(layer)] = _ratio(tied.sum(), tiles.sum())
     out[keys.PBAR_ONE.key(layer)] = _ratio(one.sum(), entries.sum())
-    out[keys.PBAR_ONE_MULTI.key(layer)] = _ratio(ties.multi_one.sum(), tiles.sum())
+    out[keys.PBAR_ONE_MULTI.key(layer)] = _ratio(multi.sum(), tiles.sum())
 
     err = t.o_err                                                  # (B, H, T, D)
     bias_f = err.mean(dim=(0, 2))                                  # (H, D) per feature
@@ -410,10 +422,11 @@ def gradient_error_metrics(sh: Shadow, cap: LayerCapture, *, state: ProbeState |
 
 def probe_layer(cap: LayerCapture, *, state: ProbeState | None = None, precision=None, stabilizer=None,
                 grad: bool = True, details: dict | None = None) -> dict:
-    """attention_metrics + numerics_metrics + gradient_error_metrics of one captured layer."""
+    """attention_metrics + numerics_metrics + census_metrics + gradient_error_metrics of one captured layer."""
     sh = shadow(cap, precision=precision, stabilizer=stabilizer, grad=grad)
     out = attention_metrics(sh)
     out.update(numerics_metrics(sh, state=state, details=details))
+    out.update(census_metrics(sh))
     if grad:
         out.update(gradient_error_metrics(sh, cap, state=state, details=details))
     return out

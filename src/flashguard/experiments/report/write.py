@@ -18,7 +18,7 @@ from .load import Study
 
 __all__ = ["Table", "build_document", "render_markdown", "render_html"]
 
-VERDICTS = ("held", "not held", "inconclusive")
+VERDICTS = ("held", "not held", "inconclusive", "present", "weak", "absent")  # claims', then the census's
 
 
 @dataclass
@@ -119,6 +119,8 @@ def build_document(study: Study, figures: list[Figure], skipped: list[str], lab_
         doc += [("figure", f, f.path.relative_to(out).as_posix()) for f in figures]
         if skipped:
             doc.append(("list", skipped))
+        from .census_section import census_blocks
+        doc += census_blocks(study)
     doc.append(("h2", "Lab: the arithmetic facts"))
     if study.lab is None:
         doc.append(("p", "No lab folder given (run `flashguard lab`, then pass its folder or --lab DIR)."))
@@ -183,6 +185,9 @@ th { background: #f4f4f4; }
 td.v-held { background: #d4f4d4; color: #135f13; font-weight: 600; }
 td.v-not-held { background: #f8d4d4; color: #8a1414; font-weight: 600; }
 td.v-inconclusive { background: #e6e6e6; color: #444; font-weight: 600; }
+td.v-present { background: #fbe3c8; color: #7a3d00; font-weight: 600; }
+td.v-weak { background: #fdf3d0; color: #6b5400; font-weight: 600; }
+td.v-absent { background: #e6e6e6; color: #444; font-weight: 600; }
 figure { margin: 1.5em 0; }
 figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { font-size: 0.92em; color: #444; }
