@@ -48,9 +48,10 @@ def sign_test_p(pos: int, neg: int) -> float:
     if n == 0:
         return 1.0
     k = min(pos, neg)
-    logs = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) - n * math.log(2) for i in range(k + 1)]
-    top = max(logs)
-    return min(1.0, 2 * math.exp(top) * sum(math.exp(x - top) for x in logs))
+    # the binomial tail in log space, vectorised (a probe tests ~16k rows: a Python loop cost ~0.1 s)
+    i = torch.arange(k + 1, dtype=torch.float64)
+    logs = math.lgamma(n + 1) - torch.lgamma(i + 1) - torch.lgamma(n - i + 1) - n * math.log(2)
+    return min(1.0, 2 * math.exp(float(torch.logsumexp(logs, 0))))
 
 
 def unit_means(err: torch.Tensor, unit: str, *, feature_dim: bool = True) -> torch.Tensor:
