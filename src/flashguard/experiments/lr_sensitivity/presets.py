@@ -115,6 +115,11 @@ LR_PRESETS: dict[str, LRPreset] = {p.name: p for p in (
                    "1,000 steps (warm-up 5%, cosine to lr/10); measured 23-36 s a run at lr 3e-3 on one core "
                    "(OMP_NUM_THREADS=1, the 2-core machine shared: fp32 29 s, paper 23 s, the study's fix 23 s, "
                    "paper-fp32fwd 36 s; 21-24 ms a step when the core was free), about 14 minutes a seed"),
+    # the same grid carried up a decade (the same factor 10^(1/3) a step, so its first 7 lrs are micro-lr's and
+    # their runs are reused when both write to one folder): micro-lr's 3e-2 end trained in every arithmetic
+    LRPreset("micro-lr-wide", "micro", lrs=log_grid(3e-4, 3e-1, 10), arithmetics=ALL, steps=1000, fixes=FIXES,
+             about="micro-lr's grid carried up to 3e-1 (10 lrs, 3 a decade), to find the lr at which each arithmetic "
+                   "stops training; micro-lr's runs are its first 7 lrs (rerun into micro-lr's folder to reuse them)"),
     LRPreset("tiny-cpu-lr", "tiny-cpu", lrs=GRID, arithmetics=ALL, steps=300, fixes=FIXES, checkpoint_every=50,
              eval_batches=10,
              about="the tiny-cpu model (4 layers x 256 wide, T = 256, 16 sequences a step), the micro-lr grid, "
