@@ -6,6 +6,8 @@ Batches are drawn in two steps so the trainer can log and replay them:
    uniform over ``[0, len(split) - block_size - 1]``, from ``torch.randint`` with the given
    CPU ``torch.Generator`` -- restoring the generator's state (``get_state``/``set_state``)
    gives the same offsets again, and the offsets themselves can go to ``batches.jsonl``;
+   with ``doc_starts=True``, uniform over the offsets right after a document separator
+   instead (:mod:`.doc_starts`), from the same generator;
 2. ``x, y = ds.batch(split, indices, block_size)``: int64 tensors (B, T), ``y`` is ``x``
    shifted by one token.
 """
@@ -17,7 +19,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .meta import SPLITS, numpy_dtype, split_path, validate_dataset
+from .doc_starts import draw_doc_starts, separator_follows, usable_starts
+from .meta import META_FILE, SPLITS, numpy_dtype, split_path, validate_dataset
 
 __all__ = ["TokenDataset"]
 
@@ -35,6 +38,7 @@ class TokenDataset:
         self.meta = validate_dataset(self.data_dir)
         self.dtype = numpy_dtype(self.meta)
         self._arrays: dict[str, np.ndarray] = {}
+        self._doc_starts: dict[str, np.ndarray] = {}  # per split, found on first use
         self._open()
 
     def _open(self) -> None:
@@ -110,16 +114,52 @@ class TokenDataset:
             )
         return n
 
+    def document_starts(self, split: str) -> np.ndarray:
+        """Offsets right after each document separator of ``split`` (int64, ascending).
+
+        ``ValueError`` if the dataset's meta.json records no separator.
+        """
+        self._check_split(split)
+        sep = self.doc_separator
+        if sep is None:
+            raise ValueError(
+                f"doc_starts needs a document separator, but {self.data_dir / META_FILE} records "
+                "none (doc_separator); prepare the data with a tokenizer that has one "
+                "(e.g. flashguard prepare embedded-docs)"
+            )
+        if split not in self._doc_starts:
+            self._doc_starts[split] = separator_follows(self._arrays[split], int(sep))
+        return self._doc_starts[split]
+
+    def usable_doc_starts(self, split: str, block_size: int) -> np.ndarray:
+        """The document starts of ``split`` a window of ``block_size`` fits after (what
+        ``doc_starts=True`` draws from); ``ValueError`` if there is none, or no separator."""
+        n = self._check_block(split, block_size)
+        starts = self.document_starts(split)
+        usable = usable_starts(starts, n, int(block_size))
+        if usable.size == 0:
+            raise ValueError(
+                f"doc_starts: no document of split {split!r} ({split_path(self.data_dir, self.meta, split)}) "
+                f"starts early enough for a window of block_size {block_size} ({n} tokens, "
+                f"{starts.size} separators before the last token)"
+            )
+        return usable
+
     def sample_indices(
-        self, split: str, batch_size: int, block_size: int, generator: torch.Generator
+        self, split: str, batch_size: int, block_size: int, generator: torch.Generator,
+        *, doc_starts: bool = False,
     ) -> torch.Tensor:
         """``batch_size`` start offsets, uniform in ``[0, len(split) - block_size - 1]`` (int64).
 
         Drawn by ``torch.randint`` from ``generator`` only, so its saved state reproduces them.
+        ``doc_starts=True``: uniform over the document starts (:meth:`document_starts`) that
+        leave room for a window, so every window begins right after a separator.
         """
         n = self._check_block(split, block_size)
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if doc_starts:
+            return draw_doc_starts(self.usable_doc_starts(split, block_size), batch_size, generator)
         return torch.randint(
             0, n - block_size, (int(batch_size),), generator=generator, dtype=torch.int64
         )

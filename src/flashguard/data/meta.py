@@ -5,10 +5,13 @@ A dataset folder holds (nanoGPT-compatible):
 * ``train.bin``, ``val.bin``: every token of the split, flat, native little-endian,
   ``uint16`` when the vocabulary fits (``vocab_size <= 65536``), else ``uint32``;
   each document is followed by the tokenizer's document separator
-  (``eot`` for gpt2, byte 0x00 for the byte tokenizer).
-* ``meta.json``: tokenizer name, vocab size, dtype name, token and document counts per
-  split, what the text was, how the split was made, the recipe (the inputs that define
-  the dataset), the flashguard version and the creation time. No ``meta.pkl``.
+  (``eot`` for gpt2, byte 0x00 for the byte tokenizer), an id checked never to occur inside
+  a document (embedded and text sources, :mod:`.separator_check`).
+* ``meta.json``: tokenizer name, vocab size, dtype name, the separator id (``doc_separator``),
+  token and document counts per split, document-length statistics per split in tokens
+  (``document_tokens``: count, min, p10, median, mean, p90, max; embedded and text sources;
+  older datasets lack it), what the text was, how the split was made, the recipe (the inputs
+  that define the dataset), the flashguard version and the creation time. No ``meta.pkl``.
 
 ``meta.json`` is written last and each file is written atomically, so a folder is a
 *complete* dataset exactly when :func:`validate_dataset` accepts it.

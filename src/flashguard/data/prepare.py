@@ -1,10 +1,17 @@
 """Prepare the embedded corpus or local text files into ``train.bin`` / ``val.bin`` / ``meta.json``.
 
-Each document is tokenized, followed by the tokenizer's document separator, and
+Each document is tokenized, checked not to hold the separator
+(:mod:`~flashguard.data.separator_check`), followed by the tokenizer's document separator, and
 appended to the split chosen by :class:`~flashguard.data.writer.ValSplitter`
-(every 20th document to val for the default ``val_fraction=0.05``). Writing follows the
+(every 20th document to val for the default ``val_fraction=0.05``; with ``group_of``, every
+20th group, e.g. every 20th source file of the short documents). Writing follows the
 transaction protocol of :mod:`flashguard.data.writer`: an interrupted prepare leaves the
-folder as it was. OpenWebText lives in :mod:`flashguard.data.openwebtext`.
+folder as it was. ``meta.json`` records the documents' length statistics per split
+(``document_tokens``, :mod:`~flashguard.data.document_lengths`). OpenWebText lives in
+:mod:`flashguard.data.openwebtext`.
+
+``prepare_embedded_docs`` is the embedded corpus cut into short documents
+(:mod:`~flashguard.data.short_documents`), so a training window holds several separators.
 """
 from __future__ import annotations
 
@@ -13,10 +20,13 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from tqdm.auto import tqdm
 
+from .document_lengths import length_summary
+from .separator_check import check_separator_absent
+from .short_documents import short_documents, source_of
 from .sources import (
     Document,
     SourceStats,
@@ -29,7 +39,7 @@ from .sources import (
 from .tokenizers import Tokenizer, doc_separator_of, resolve_tokenizer
 from .writer import ValSplitter, build_meta, check_existing, dataset_transaction, write_meta
 
-__all__ = ["prepare_embedded", "prepare_text", "prepare_documents"]
+__all__ = ["prepare_embedded", "prepare_embedded_docs", "prepare_text", "prepare_documents"]
 
 log = logging.getLogger("flashguard.data")
 
@@ -47,13 +57,17 @@ def prepare_documents(
     progress: bool = True,
     total_bytes: int | None = None,
     desc: str = "tokenizing",
+    group_of: Callable[[Document], str] | None = None,
 ) -> dict:
     """Tokenize ``documents`` into a dataset folder; return its meta (also in ``meta.json``).
 
     The lower-level entry used by :func:`prepare_embedded` and :func:`prepare_text`;
     ``source`` describes the text, ``stats`` (filled by the source while it is read) adds
     counts and a content hash, ``recipe`` (the inputs) decides whether an existing
-    dataset is "the same".
+    dataset is "the same". ``group_of``: documents in a row with the same group go to the
+    same split (the val split then holds whole groups, e.g. whole source files). A document
+    that holds the separator raises
+    :class:`~flashguard.data.separator_check.SeparatorInDocument` (nothing is written).
     """
     started = time.perf_counter()
     out = Path(out_dir)
@@ -68,20 +82,32 @@ def prepare_documents(
     sep = doc_separator_of(tok)
     tail = [] if sep is None else [sep]
 
+    lengths: dict[str, list[int]] = {"train": [], "val": []}
+
+    def put(split: str, ids: list[int], where: str) -> None:
+        writer.write(split, ids, where=where)
+        lengths[split].append(len(ids) - len(tail))
+
     with dataset_transaction(out, tok.vocab_size) as writer, tqdm(
         total=total_bytes, unit="B", unit_scale=True, desc=desc, disable=not progress
     ) as bar:
         pending = None  # the latest train document, held back for the empty-val fallback
         index = -1
+        group, last_group = -1, object()
         done = 0
         for index, doc in enumerate(documents):
             ids = list(tok.encode(doc.text))
+            check_separator_absent(ids, sep, doc.name, str(tok.name))
             ids.extend(tail)
-            if splitter.is_val(index):
-                writer.write("val", ids, where=f" in {doc.name}")
+            if group_of is None:
+                group = index
+            elif (key := group_of(doc)) != last_group:
+                group, last_group = group + 1, key
+            if splitter.is_val(group):
+                put("val", ids, f" in {doc.name}")
             else:
                 if pending is not None:
-                    writer.write("train", pending[0], where=pending[1])
+                    put("train", *pending)
                 pending = (ids, f" in {doc.name}")
             now = stats.bytes if stats is not None else done + len(doc.text.encode("utf-8"))
             bar.update(now - done)
@@ -92,9 +118,9 @@ def prepare_documents(
                 f"need at least 2 non-empty documents to make a train and a val split, got {n_docs}"
             )
         if writer.documents["val"] == 0:
-            writer.write("val", pending[0], where=pending[1])
+            put("val", *pending)
         else:
-            writer.write("train", pending[0], where=pending[1])
+            put("train", *pending)
 
     src = dict(source or {})
     if stats is not None:
@@ -104,10 +130,11 @@ def prepare_documents(
         tokenizer_note=note,
         writer=writer,
         source=src,
-        split_rule=splitter.describe(),
+        split_rule=splitter.describe() if group_of is None else splitter.describe(unit="source file"),
         recipe=full_recipe,
         started=started,
     )
+    meta["document_tokens"] = {split: length_summary(lengths[split]) for split in lengths}
     return write_meta(out, meta)
 
 
@@ -151,6 +178,62 @@ def prepare_embedded(
         progress=progress,
         total_bytes=total,
         desc="embedded corpus",
+    )
+
+
+def prepare_embedded_docs(
+    out_dir: str | os.PathLike[str],
+    *,
+    tokenizer: str | Tokenizer = "byte",
+    val_fraction: float = 0.05,
+    doc_min_bytes: int = 100,
+    doc_max_bytes: int = 250,
+    max_bytes: int | None = None,
+    include_tests: bool = False,
+    include_pydoc: bool = True,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """The embedded corpus cut into short documents (paragraphs of ``doc_min_bytes`` to about
+    ``doc_max_bytes`` bytes, :mod:`flashguard.data.short_documents`), a separator after each.
+
+    Why: a 512-token window of it holds several separators, the identical tokens attention
+    sinks form on, as the study's 1,024-token OpenWebText windows hold several end-of-text
+    tokens. ``tokenizer`` is ``byte`` by default, the vocabulary of the tiny presets (the
+    separator is then the NUL byte, checked absent from every document). ``max_bytes`` caps
+    the source text before it is cut. The val split holds whole source files (every 20th for
+    ``val_fraction=0.05``). Measured on CPython 3.11.7 (Linux): 61,715 documents (58,897 train,
+    2,818 val), median 214 bytes (p10 124, p90 250, mean 203), 12.6 M tokens; about 3 s of CPU.
+    """
+    description = dict(
+        embedded_description(include_tests, include_pydoc),
+        kind="embedded-docs", doc_min_bytes=doc_min_bytes, doc_max_bytes=doc_max_bytes,
+        cut="paragraphs between blank lines, long ones cut at line ends, short ones joined",
+    )
+    files = embedded_files(include_tests)
+    total = sum(p.stat().st_size for p in files)
+    if include_pydoc:
+        total += 500_000  # rough size of the pydoc topics, for the progress bar only
+    if max_bytes is not None:
+        total = min(total, max_bytes)
+    stats = SourceStats()
+    sources = embedded_documents(
+        max_bytes=max_bytes, include_tests=include_tests, include_pydoc=include_pydoc, stats=stats
+    )
+    docs = short_documents(sources, min_bytes=doc_min_bytes, max_bytes=doc_max_bytes)
+    return prepare_documents(
+        docs,
+        out_dir,
+        tokenizer=tokenizer,
+        val_fraction=val_fraction,
+        source=description,
+        stats=stats,
+        recipe=dict(description, max_bytes=max_bytes),
+        overwrite=overwrite,
+        progress=progress,
+        total_bytes=total,
+        desc="embedded corpus, short documents",
+        group_of=source_of,
     )
 
 

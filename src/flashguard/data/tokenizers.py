@@ -8,10 +8,10 @@ Document separators (what the data pipeline appends after every document):
 * ``gpt2``: the end-of-text token 50256 (``eot``), as nanoGPT does for OpenWebText.
 * ``byte``: the vocabulary is exactly the 256 byte values, so there is no spare id
   for an end-of-text token (``eot`` is ``None``). Documents are followed by the NUL
-  byte 0x00 instead (``doc_separator == 0``). NUL does not occur in text files, so
-  the boundaries stay recoverable (``decode(ids).split("\\0")`` gives the documents
-  back) and the model can learn where a document ends; a newline would be
-  indistinguishable from the blank lines inside source files.
+  byte 0x00 instead (``doc_separator == 0``). NUL does not occur in text files (the
+  prepare checks it, :mod:`.separator_check`), so the boundaries stay recoverable
+  (``decode(ids).split("\\0")`` gives the documents back) and the model can learn where a
+  document ends; a newline would be indistinguishable from the blank lines inside source files.
 
 GPT-2 and the network: flashguard never lets tiktoken download the BPE files;
 :mod:`flashguard.data.tiktoken_cache` checks and fills tiktoken's cache offline, and

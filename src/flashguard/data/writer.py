@@ -203,9 +203,11 @@ class ValSplitter:
             out[-1] = "val"
         return out
 
-    def describe(self) -> str:
+    def describe(self, unit: str = "document") -> str:
+        """The rule in words; ``unit`` is what is counted (documents, or source files of short ones)."""
+        tail = "" if unit == "document" else "; a source file's documents stay together"
         return (
-            f"by document: document i goes to val when floor((i+1)*f) > floor(i*f), "
-            f"f = {self.fraction} (1 in {float(1 / self.fraction):g} documents); if no "
+            f"by {unit}: {unit} i goes to val when floor((i+1)*f) > floor(i*f), "
+            f"f = {self.fraction} (1 in {float(1 / self.fraction):g} {unit}s){tail}; if no "
             "document lands in val, the last one does"
         )

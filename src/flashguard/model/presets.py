@@ -12,6 +12,12 @@ MODEL_PRESETS: dict[str, GPTConfig] = {
     "gpt2-124m": GPTConfig(block_size=1024, vocab_size=50304, n_layer=12, n_head=12, n_embd=768),
     # A byte-level model that trains on a CPU.
     "tiny-cpu": GPTConfig(block_size=256, vocab_size=256, n_layer=4, n_head=4, n_embd=256),
+    # tiny-cpu with the study's windows, for the short-document corpus (prepare embedded-docs): a
+    # window holds several separators, the identical tokens attention sinks form on. T = 1024 is
+    # two 512-tiles of the flash attention (O accumulated across key tiles, as in the study's
+    # GPT-2); T = 512 is one. Same width and head dim (64) as tiny-cpu and GPT-2.
+    "tiny-cpu-512": GPTConfig(block_size=512, vocab_size=256, n_layer=4, n_head=4, n_embd=256),
+    "tiny-cpu-1024": GPTConfig(block_size=1024, vocab_size=256, n_layer=4, n_head=4, n_embd=256),
     # Smoke tests: a forward + backward takes milliseconds.
     "micro": GPTConfig(block_size=64, vocab_size=256, n_layer=2, n_head=2, n_embd=64),
 }

@@ -33,6 +33,7 @@ class ConfigError(ValueError):
 class DataConfig:
     dir: str = "data/embedded"        # folder made by `flashguard prepare`
     batch_size: int = 16              # sequences per optimizer step, over all processes
+    doc_starts: bool = False          # every window (train and val) starts right after a document separator
 
 
 @dataclass

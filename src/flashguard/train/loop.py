@@ -185,6 +185,11 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
         if data.num_tokens(split) <= block + 1:
             raise ConfigError(f"model.block_size ({block}) does not fit the {split} split of {cfg.data.dir} "
                               f"({data.num_tokens(split)} tokens)")
+        if cfg.data.doc_starts:
+            try:
+                data.usable_doc_starts(split, block)
+            except ValueError as e:
+                raise ConfigError(f"data.doc_starts: {e}") from None
     o = cfg.optim
     optimizer = model.configure_optimizer(weight_decay=o.weight_decay, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     raw_model = model
@@ -246,7 +251,7 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
         losses = []
         with torch.no_grad(), autocast:
             for _ in range(t.eval_batches):
-                idx = data.sample_indices("val", cfg.data.batch_size, block, gen)
+                idx = data.sample_indices("val", cfg.data.batch_size, block, gen, doc_starts=cfg.data.doc_starts)
                 x, y = data.batch("val", idx, block)
                 losses.append(_ce_of(raw_model, x.to(device), y.to(device)))
         raw_model.train()
@@ -273,7 +278,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
                     raise ConfigError(f"--replay: the replayed run has no batch for step {step}")
                 indices = torch.tensor(replayed[step], dtype=torch.long)
             else:
-                indices = data.sample_indices("train", cfg.data.batch_size, block, sampler)
+                indices = data.sample_indices("train", cfg.data.batch_size, block, sampler,
+                                              doc_starts=cfg.data.doc_starts)
             mine = indices[rank * per_rank:(rank + 1) * per_rank]
             loss_sum = torch.zeros((), device=device)
             for j in range(t.grad_accum):
