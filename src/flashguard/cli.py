@@ -16,7 +16,7 @@ import textwrap
 
 def _wrap(text: str, hang: str = "") -> str:
     """Help text wrapped line by line (the parsers keep line breaks: RawDescriptionHelpFormatter)."""
-    return "\n".join(textwrap.fill(line, 79, subsequent_indent=hang) for line in text.split("\n"))
+    return "\n".join(textwrap.fill(line, 79, subsequent_indent=hang, break_on_hyphens=False) for line in text.split("\n"))
 
 
 def _values() -> str:
