@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ..numerics.arith import cast, emulate, matmul, rowsum, storage_dtype
+from ..numerics.arith import cast, emulate, rowsum, storage_dtype
 from ..numerics.formats import FP32, FP64
 from ..numerics.policy import PrecisionPolicy
 from .dropout import TileDropout
@@ -66,15 +66,68 @@ def _operand(x: torch.Tensor, out_fmt) -> torch.Tensor:
     return x.to(_operand_dtype(x, out_fmt))
 
 
+def _bmm_layout(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (..., r, c) laid out as torch.matmul hands an operand to bmm: matmul reshapes it to
+    (batch, r, c), a view where the batch dims fold and a contiguous copy where they do not (a
+    head-split view of a fused qkv projection, a transposed slice of one). Done here it gives
+    the very tensor matmul would build, and matmul's own reshape of it is then a view."""
+    return x.reshape(-1, *x.shape[-2:]).view(x.shape)
+
+
+def _folds(x: torch.Tensor) -> bool:
+    """Whether matmul's reshape of ``x`` (..., r, c) to (batch, r, c) is a view (else a copy)."""
+    try:
+        x.view(-1, *x.shape[-2:])
+    except RuntimeError:
+        return False
+    return True
+
+
+def _to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``_bmm_layout(x.to(dtype))`` in one copy: ``x.to(dtype)`` keeps x's layout (dense x) or its
+    stride order, as ``empty_like`` does; where matmul would then copy that, the conversion
+    writes the contiguous copy itself (the same values, the layout of matmul's copy)."""
+    if _folds(torch.empty_like(x, dtype=dtype, device="meta")):  # the strides x.to(dtype) gets
+        return x.to(dtype)
+    return x.to(dtype, memory_format=torch.contiguous_format)
+
+
+class _Tile:
+    """A tile of a whole input, ``x[..., r0:r1, :]`` (``transpose``: its last two dims swapped),
+    converted first to ``want`` as ``_Operands(x, out_fmt)`` converts the whole input: an operand
+    of ``_Operands.mm``, built when a matmul first uses it."""
+
+    __slots__ = ("x", "want", "r0", "r1", "transpose")
+
+    def __init__(self, x, want, r0, r1, transpose):
+        self.x, self.want, self.r0, self.r1, self.transpose = x, want, r0, r1, transpose
+
+    def cut(self, t: torch.Tensor) -> torch.Tensor:
+        t = t[..., self.r0:self.r1, :]
+        return t.transpose(-2, -1) if self.transpose else t
+
+
 class _Operands:
-    """``_operand`` for whole inputs: converted once per call instead of once per tile, and
-    each (tensor, dtype) once, so that q feeding two fp32-output matmuls has one fp32 copy."""
+    """The matmul operands of one call, each built once instead of once per tile pair.
+
+    ``ops(x, out_fmt)`` is ``_operand`` for a whole input (converted once, and each (tensor, dtype)
+    once). ``ops.tile(x, r0, r1, transpose, out_fmt)`` names a tile of ``ops(x, out_fmt)`` and
+    ``ops.mm(a, b, fmt)`` is ``numerics.arith.matmul(a, b, fmt)`` on tensors and such tiles: the
+    tensor it hands torch.matmul for a tile - the slice of the converted input, converted again
+    where arith.matmul converts it, laid out as matmul's reshape lays it out for bmm - is made at
+    the first use and kept for the call, and each of those steps that would copy is folded into
+    one copy (``_to``). The values and the layout bmm receives are the ones the plain slices give
+    (tests/attention/test_flash_fastpaths.py): without this, a tile of a non-contiguous input (the
+    model's q, k, v and dO are views of one qkv projection) was copied for every matmul that used
+    it, and the fp32 inputs of ``fa2`` were converted whole and then copied again."""
 
     def __init__(self):
         self._cache = {}
 
     def __call__(self, x: torch.Tensor, out_fmt) -> torch.Tensor:
-        want = _operand_dtype(x, out_fmt)
+        return self._whole(x, _operand_dtype(x, out_fmt))
+
+    def _whole(self, x: torch.Tensor, want: torch.dtype) -> torch.Tensor:
         if x.dtype == want:
             return x
         key = (id(x), want)
@@ -82,9 +135,139 @@ class _Operands:
             self._cache[key] = (x, x.to(want))  # x kept alive so that its id stays unique
         return self._cache[key][1]
 
+    def tile(self, x: torch.Tensor, r0: int, r1: int, transpose: bool = False, out_fmt=None) -> _Tile:
+        """The tile ``ops(x, out_fmt)[..., r0:r1, :]`` (out_fmt None: x as it is)."""
+        return _Tile(x, x.dtype if out_fmt is None else _operand_dtype(x, out_fmt), r0, r1, transpose)
 
-def _tile_hidden(hide, causal, q0, q1, k0, k1, device):
-    """Boolean mask of one tile, True where a key is hidden from a query; None if none is."""
+    def mm(self, a, b, fmt) -> torch.Tensor:
+        """``numerics.arith.matmul(a, b, fmt)``; ``a`` and ``b`` are tensors or ``_Tile``s."""
+        dt = fmt.torch_dtype
+        da, db = (t.want if isinstance(t, _Tile) else t.dtype for t in (a, b))
+        if dt is not None and da == dt and db == dt:
+            return self._operand(a, None) @ self._operand(b, None)
+        wide = torch.float64 if dt == torch.float64 else torch.float32
+        return cast(self._operand(a, wide) @ self._operand(b, wide), fmt)
+
+    def _operand(self, t, conv: "torch.dtype | None") -> torch.Tensor:
+        """What arith.matmul hands torch.matmul for ``t``: ``t.to(conv)`` (conv None: t)."""
+        if not isinstance(t, _Tile):
+            return t if conv is None else t.to(conv)
+        key = (id(t.x), t.want, t.r0, t.r1, t.transpose, conv)
+        hit = self._cache.get(key)
+        if hit is None:
+            x, want = t.x, t.want
+            conv = None if conv in (None, want) else conv
+            if want == x.dtype:  # matmul(x_tile.to(conv)): the tile, converted here if at all
+                out = _bmm_layout(t.cut(x)) if conv is None else _to(t.cut(x), conv)
+            elif conv is None:  # the tile of the whole conversion: a view of it, or a converted copy
+                whole = torch.empty_like(x, dtype=want, device="meta")  # the strides x.to(want) gets
+                out = _bmm_layout(t.cut(self._whole(x, want))) if _folds(t.cut(whole)) else \
+                    t.cut(x).to(want, memory_format=torch.contiguous_format)
+            else:  # converted twice (no call does this): as arith.matmul does it
+                out = t.cut(self._whole(x, want)).to(conv)
+            hit = self._cache[key] = (t.x, out)  # x kept alive so that its id stays unique
+        return hit[1]
+
+
+# A masked fill as bitwise ops on the tile's bits, viewed as the integer type of the same width.
+_BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+         torch.float64: torch.int64}
+_FILL_BITS: dict = {}
+
+
+def _and_(bits: torch.Tensor, mask: torch.Tensor) -> None:
+    """``bits &= mask`` in place, written with ``out=``: aten's ``bitwise_and``, which the golden
+    tests' certificate of platform independence (tests/attention/exact_arith.py) lists as exact."""
+    torch.bitwise_and(bits, mask, out=bits)
+
+
+def _or_(bits: torch.Tensor, mask: torch.Tensor) -> None:
+    """``bits |= mask`` in place (``bitwise_or``, as ``_and_``)."""
+    torch.bitwise_or(bits, mask, out=bits)
+
+
+def _fill_bits(dtype: torch.dtype, value: float) -> int:
+    """The bits masked_fill_ writes for ``value`` into a ``dtype`` tensor, as a signed integer
+    (taken from masked_fill_ itself, so the value is converted exactly as it converts it)."""
+    key = (dtype, float(value).hex())
+    if key not in _FILL_BITS:
+        one = torch.zeros(1, dtype=dtype).masked_fill_(torch.ones(1, dtype=torch.bool), value)
+        _FILL_BITS[key] = int(one.view(_BITS[dtype]).item())
+    return _FILL_BITS[key]
+
+
+class _Hidden:
+    """The entries of one tile hidden from its queries: ``mask`` (bool, broadcastable to the
+    tile, True = hidden), and ``fill_``, which writes a value there bit for bit as
+    ``masked_fill_(mask, value)`` does but as bitwise ops: ``x &= keep`` (all ones where
+    visible, 0 where hidden), then ``x |= hidden * bits(value)``, on x's bits viewed as integers.
+    On CPU masked_fill_ is a scalar loop: about 20 ms on a 16 x 4 x 256 x 256 bf16 tile, where
+    a bitwise op takes 1.5 ms (the fills were 10 % of a tiny-cpu training step). The integer
+    masks are built once per dtype and fill value."""
+
+    __slots__ = ("mask", "_ints")
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+        self._ints = {}
+
+    def _int_mask(self, idt: torch.dtype, value: int) -> torch.Tensor:
+        """``mask`` as ``idt``: ``value`` where hidden, 0 elsewhere."""
+        key = (idt, value)
+        if key not in self._ints:
+            self._ints[key] = self.mask.to(idt).mul_(value)
+        return self._ints[key]
+
+    def keep_bits(self, dtype: torch.dtype) -> torch.Tensor:
+        """All ones where visible, 0 where hidden, in the integer type of ``dtype``'s width."""
+        key = (_BITS[dtype], "keep")
+        if key not in self._ints:
+            self._ints[key] = self.mask.to(_BITS[dtype]).sub_(1)  # hidden: 1 - 1 = 0; visible: 0 - 1 = all ones
+        return self._ints[key]
+
+    def fill_(self, x: torch.Tensor, value: float) -> torch.Tensor:
+        """``x.masked_fill_(mask, value)``, the same bits."""
+        if x.dtype not in _BITS or x.requires_grad:
+            return x.masked_fill_(self.mask, value)
+        bits = x.view(_BITS[x.dtype])
+        _and_(bits, self.keep_bits(x.dtype))
+        fill = _fill_bits(x.dtype, value)
+        if fill:
+            _or_(bits, self._int_mask(bits.dtype, fill))
+        return x
+
+
+def _slow_exp(x: torch.Tensor, fmt) -> bool:
+    """torch's fp32 / fp64 exp on CPU (MKL's vector exp) is 5-15x slower on a tile with -inf or
+    huge negative entries than on one without (measured: 35 ms against 6 ms on a 16 x 4 x 256 x
+    256 causal fp32 tile); bf16 / fp16 exp (computed in fp32 by another routine) is not."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and fmt.is_native \
+        and not x.requires_grad
+
+
+def _exp_hidden_(x: torch.Tensor, hidden: "_Hidden | None", rows: torch.Tensor, fmt) -> torch.Tensor:
+    """``_rounded(x.exp_(), fmt)`` for x = S - rows (rows: (..., n, 1)) whose hidden entries had
+    S = -inf, bit for bit. Where a row's ``rows`` is finite or +inf, its hidden entries are
+    exactly -inf - rows = -inf and exp gives +0 there: they are set to +0 before exp (which then
+    meets no -inf, see ``_slow_exp``) and to +0 after it. Rows whose ``rows`` is NaN or -inf
+    (x is NaN there) are left to exp as they are."""
+    if hidden is None or not _slow_exp(x, fmt):
+        return _rounded(x.exp_(), fmt)
+    idt = _BITS[x.dtype]
+    # all ones where x keeps its value: visible entries, and every entry of a NaN / -inf row
+    keep = hidden.keep_bits(x.dtype)
+    good = rows > float("-inf")
+    if not bool(good.all()):  # a CPU tensor (_slow_exp): no device sync
+        keep = keep | good.to(idt).sub_(1)
+    _and_(x.view(idt), keep)  # hidden entries of the other rows: +0
+    p = _rounded(x.exp_(), fmt)
+    _and_(p.view(idt), keep)  # exp(+0) = 1 back to exp(-inf) = +0
+    return p
+
+
+def _tile_hidden(hide, causal, q0, q1, k0, k1, device) -> "_Hidden | None":
+    """The keys of one tile hidden from its queries (``_Hidden``: ``.mask`` is True where a key
+    is hidden from a query); None if none is."""
     tile = None
     if hide is not None:
         tile = hide[..., q0:q1, k0:k1]
@@ -93,15 +276,16 @@ def _tile_hidden(hide, causal, q0, q1, k0, k1, device):
         cols = torch.arange(k0, k1, device=device)[None, :]
         c = cols > rows
         tile = c if tile is None else tile | c
-    return tile
+    return None if tile is None else _Hidden(tile)
 
 
-def _scores(qi, kj, bias, q0, q1, k0, k1, scale, policy, softcap=None, want_tanh=False):
-    """S = round(round(q k^T) * scale), soft-capped to cap * tanh(S / cap) if ``softcap``,
-    plus ``bias``; in the scores format, a fresh tensor. With ``want_tanh`` also returns the
-    tanh (for the soft-cap's derivative in backward), else None."""
+def _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap=None, want_tanh=False):
+    """S = round(round(q k^T) * scale) of the tile (q rows q0:q1, k rows k0:k1), soft-capped to
+    cap * tanh(S / cap) if ``softcap``, plus ``bias``; in the scores format, a fresh tensor.
+    ``ops``: the call's _Operands. With ``want_tanh`` also returns the tanh (for the soft-cap's
+    derivative in backward), else None."""
     fmt = policy.scores
-    s = matmul(qi, kj.transpose(-2, -1), fmt)
+    s = ops.mm(ops.tile(q, q0, q1, out_fmt=fmt), ops.tile(k, k0, k1, transpose=True, out_fmt=fmt), fmt)
     s = _rounded(s.mul_(scale), fmt)
     t = None
     if softcap is not None:
@@ -132,11 +316,9 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
     hide = None if keep is None else ~keep
     # the high-precision copy of O: fp32, or fp64 when the policy itself accumulates in fp64
     hp_fmt = FP64 if storage_dtype(acc_fmt) == torch.float64 else FP32
-    operand = _Operands()
-    q_mm, k_mm = operand(q, policy.scores), operand(k, policy.scores)
+    ops = _Operands()
     o_tiles, lse_tiles, hp_tiles = [], [], []
     for q0, q1 in tile_ranges(Tq, block_q):
-        qi = q_mm[..., q0:q1, :]
         n = q1 - q0
         m = torch.full((B, H, n, 1), m_init, dtype=storage_dtype(stats), device=q.device)
         l = torch.zeros((B, H, n, 1), dtype=storage_dtype(stats), device=q.device)
@@ -157,9 +339,9 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
                                device=q.device)
             else:
                 th = _tile_hidden(hide, causal, q0, q1, k0, k1, q.device)
-                s, _ = _scores(qi, k_mm[..., k0:k1, :], bias, q0, q1, k0, k1, scale, policy, softcap)  # (B, H, n, bk)
+                s, _ = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap)  # (B, H, n, bk)
                 if th is not None:
-                    s.masked_fill_(th, fill)
+                    th.fill_(s, fill)
             row_max = s.amax(dim=-1, keepdim=True)
             m_new = torch.maximum(stabilizer.shift(s, row_max, policy), m)
             # rows with nothing visible yet (all -inf) shift by 0 so that exp gives 0, not NaN
@@ -169,35 +351,42 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
             if fully_hidden:
                 p_full = torch.zeros_like(s)  # exp(fill - m) underflows, or is masked, everywhere
             else:
-                p_full = _rounded(_rounded(s.sub_(m_safe), policy.scores).exp_(), policy.scores)  # consumes s
-                if th is not None and fill != float("-inf"):
-                    p_full.masked_fill_(th, 0.0)  # a finite fill gives exp(0) = 1 in fully masked rows
+                x = _rounded(s.sub_(m_safe), policy.scores)  # consumes s
+                if th is None or fill == float("-inf"):
+                    p_full = _exp_hidden_(x, th, m_safe, policy.scores)
+                else:
+                    # a finite fill gives exp(0) = 1 in fully masked rows: the hidden entries are set
+                    # to 0 after exp, so what exp gives there does not matter (0 in: no slow path)
+                    if _slow_exp(x, policy.scores):
+                        th.fill_(x, 0.0)
+                    p_full = th.fill_(_rounded(x.exp_(), policy.scores), 0.0)
             pbar = cast(p_full, policy.pbar)
             tile_sum = rowsum(pbar if policy.row_sum_rounded else p_full, stats)
             if policy.row_sum_floor is not None:
                 tile_sum = _rounded(tile_sum.clamp_(min=policy.row_sum_floor), stats)
             if dropout is not None and not fully_hidden:  # after l took the undropped row sum
                 pbar = torch.where(dropout.keep(q0, q1, k0, k1), pbar, 0.0)  # zeroing is exact in any format
-            v_tile = v[..., k0:k1, :]
             if fully_hidden:
                 pv = torch.zeros((B, H, n, Dv), dtype=storage_dtype(policy.pv), device=q.device)
             else:
-                pv = matmul(pbar, v_tile, policy.pv)
+                v_tile = ops.tile(v, k0, k1)
+                pv = ops.mm(pbar, v_tile, policy.pv)
             if observe is not None:
-                observe((q0, q1, k0, k1), s=s_seen, hidden=th, row_max=row_max, m_new=m_new, pbar=pbar, pv=pv)
+                observe((q0, q1, k0, k1), s=s_seen, hidden=None if th is None else th.mask, row_max=row_max,
+                        m_new=m_new, pbar=pbar, pv=pv)
             f = cast(torch.exp(cast(m - m_safe, stats)), stats)  # rescale of the old state
             l = cast(cast(f * l, stats) + tile_sum, stats)
             acc = cast(cast(acc * f, acc_fmt) + pv, acc_fmt)
             if acc_hp is not None:
                 acc_hp = acc_hp * f.to(acc_hp.dtype)
                 if not fully_hidden:
-                    acc_hp = acc_hp + matmul(pbar, v_tile, hp_fmt)
+                    acc_hp = acc_hp + ops.mm(pbar, v_tile, hp_fmt)
             m = m_new
         empty = l == 0  # every key masked: output 0 and lse = +inf (so that backward P = 0)
         o = cast(acc / torch.where(empty, torch.ones_like(l), l), acc_fmt)
         if dropout is not None:
             o = cast(o * dropout.scale, acc_fmt)
-        o = o.masked_fill(empty, 0.0)
+        o = _Hidden(empty).fill_(o, 0.0)  # o is a fresh tensor
         o_tiles.append(cast(o, policy.output))
         lse = cast(cast(torch.log(l), policy.lse) + m, policy.lse)
         lse_tiles.append(lse.masked_fill(empty, float("inf")))
@@ -206,22 +395,29 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
             o_hp_i = acc_hp / torch.where(empty, torch.ones_like(lw), lw)
             if dropout is not None:
                 o_hp_i = o_hp_i * dropout.scale
-            hp_tiles.append(o_hp_i.masked_fill(empty, 0.0))
-    o_hp = torch.cat(hp_tiles, dim=-2) if keep_highp_o else None
-    return torch.cat(o_tiles, dim=-2), torch.cat(lse_tiles, dim=-2), o_hp
+            hp_tiles.append(_Hidden(empty).fill_(o_hp_i, 0.0))  # a fresh tensor
+    o_hp = _cat(hp_tiles) if keep_highp_o else None
+    return _cat(o_tiles), _cat(lse_tiles), o_hp
 
 
-def _p_tile(qi, kj, lse_i, hide, bias, causal, q0, q1, k0, k1, scale, policy, softcap=None):
+def _cat(tiles: list) -> torch.Tensor:
+    """The tiles joined along the rows; one tile is returned as it is (torch.cat would copy it)."""
+    return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-2)
+
+
+def _p_tile(ops, q, k, lse_i, hide, bias, causal, q0, q1, k0, k1, scale, policy, softcap=None):
     """Recompute P = exp(S - lse) for one tile in the ``p`` format (masked entries 0: they
     are -inf before exp; lse is never -inf, empty rows carry +inf). Also returns the soft-cap
     derivative 1 - tanh^2 in the ``p`` format (None without soft-capping)."""
-    s, t = _scores(qi, kj, bias, q0, q1, k0, k1, scale, policy, softcap, want_tanh=True)
+    s, t = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap, want_tanh=True)
     dcap = None if t is None else cast(1.0 - cast(t * t, policy.p), policy.p)
-    th = _tile_hidden(hide, causal, q0, q1, k0, k1, qi.device)
+    th = _tile_hidden(hide, causal, q0, q1, k0, k1, q.device)
     if th is not None:
-        s.masked_fill_(th, float("-inf"))
+        th.fill_(s, float("-inf"))
     if s.dtype == storage_dtype(policy.p):
-        p = _rounded(_rounded(s.sub_(lse_i), policy.p).exp_(), policy.p)
+        p = _exp_hidden_(_rounded(s.sub_(lse_i), policy.p), th, lse_i, policy.p)
+    elif policy.p.is_native:
+        p = _exp_hidden_(cast(s - lse_i, policy.p), th, lse_i, policy.p)  # a fresh tensor
     else:
         p = cast(torch.exp(cast(s - lse_i, policy.p)), policy.p)
     return p, dcap
@@ -250,9 +446,7 @@ def delta_preprocess(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, 
         return _rowsum_product(do, o, policy)
     if policy.delta_source == "o_highp":
         return _rowsum_product(do, o_highp, policy)
-    operand = operand or _Operands()
-    q_s, k_s = operand(q, policy.scores), operand(k, policy.scores)
-    do_dp, v_dp = operand(do, policy.dp), operand(v, policy.dp)
+    ops = operand or _Operands()
     hide = None if keep is None else ~keep
     parts = []
     for q0, q1 in tile_ranges(q.shape[-2], block_q):
@@ -260,15 +454,16 @@ def delta_preprocess(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, 
         for k0, k1 in tile_ranges(k.shape[-2], block_k):
             if causal and k0 > q1 - 1:
                 break  # hidden tiles contribute exactly zero
-            p, _ = _p_tile(q_s[..., q0:q1, :], k_s[..., k0:k1, :], lse[..., q0:q1, :], hide, bias,
-                           causal, q0, q1, k0, k1, scale, policy, softcap)
-            dp = matmul(do_dp[..., q0:q1, :], v_dp[..., k0:k1, :].transpose(-2, -1), policy.dp)
+            p, _ = _p_tile(ops, q, k, lse[..., q0:q1, :], hide, bias, causal, q0, q1, k0, k1, scale, policy,
+                           softcap)
+            dp = ops.mm(ops.tile(do, q0, q1, out_fmt=policy.dp), ops.tile(v, k0, k1, transpose=True, out_fmt=policy.dp),
+                        policy.dp)
             if dropout is not None:
                 dp = _dropped_dp(dp, dropout.keep(q0, q1, k0, k1), dropout.scale, policy)
             part = _rowsum_product(dp, p, policy)
             d = part if d is None else cast(d + part, policy.delta)
         parts.append(d)
-    return torch.cat(parts, dim=-2)
+    return _cat(parts)
 
 
 def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, scale: float,
@@ -286,17 +481,15 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
     hide = None if keep is None else ~keep
     q_tiles, k_tiles = tile_ranges(Tq, block_q), tile_ranges(Tk, block_k)
     # matmul operands, converted once: S = q k^T, dP = dO v^T, dV = P^T dO, dQ = dS k, dK = dS^T q
-    operand = _Operands()
-    q_s, k_s = operand(q, policy.scores), operand(k, policy.scores)
-    do_dp, v_dp = operand(do, policy.dp), operand(v, policy.dp)
-    do_g, k_g, q_g = (operand(t, policy.grad_partial) for t in (do, k, q))
+    ops = _Operands()
+    gp = policy.grad_partial
 
     def hidden(q0, q1, k0, k1):
         return causal and k0 > q1 - 1  # contributes exactly zero: skipped
 
     # --- preprocess: delta, (B, H, T_q, 1) in the delta format
     delta = delta_preprocess(q, k, v, o, lse, do, o_highp, keep=keep, bias=bias, causal=causal, scale=scale,
-                             policy=policy, block_q=block_q, block_k=block_k, softcap=softcap, operand=operand,
+                             policy=policy, block_q=block_q, block_k=block_k, softcap=softcap, operand=ops,
                              dropout=dropout)
     if delta_hook is not None:
         delta = delta_hook(delta, q=q, k=k, v=v, do=do, keep=keep, bias=bias, causal=causal, scale=scale,
@@ -320,14 +513,15 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
         for i, (q0, q1) in enumerate(q_tiles):
             if hidden(q0, q1, k0, k1):
                 continue
-            p, dcap = _p_tile(q_s[..., q0:q1, :], k_s[..., k0:k1, :], lse[..., q0:q1, :], hide, bias, causal,
-                              q0, q1, k0, k1, scale, policy, softcap)
+            p, dcap = _p_tile(ops, q, k, lse[..., q0:q1, :], hide, bias, causal, q0, q1, k0, k1, scale, policy,
+                              softcap)
             p_mm = _operand(cast(p, policy.pbar), policy.grad_partial)
             if dropout is not None:
                 kt = dropout.keep(q0, q1, k0, k1)
                 p_mm = torch.where(kt, p_mm, 0.0)  # 1 / (1 - p) applied to the finished dV_j
-            dv_j = accumulate(dv_j, matmul(p_mm.transpose(-2, -1), do_g[..., q0:q1, :], policy.grad_partial))
-            dp = matmul(do_dp[..., q0:q1, :], v_dp[..., k0:k1, :].transpose(-2, -1), policy.dp)
+            dv_j = accumulate(dv_j, ops.mm(p_mm.transpose(-2, -1), ops.tile(do, q0, q1, out_fmt=gp), gp))
+            dp = ops.mm(ops.tile(do, q0, q1, out_fmt=policy.dp), ops.tile(v, k0, k1, transpose=True, out_fmt=policy.dp),
+                        policy.dp)
             if dropout is not None:
                 dp = _dropped_dp(dp, kt, dropout.scale, policy)
             # dS = (P * scale) * (dP - delta), each op rounded to the p format, in place
@@ -336,10 +530,10 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
             if dcap is not None:  # through the soft-cap: d(cap * tanh(x / cap)) / dx = 1 - tanh^2
                 ds = _rounded(ds.mul_(dcap), policy.p)
             ds = _operand(cast(ds, policy.ds), policy.grad_partial)  # the matmul operand
-            dq_tiles[i] = accumulate(dq_tiles[i], matmul(ds, k_g[..., k0:k1, :], policy.grad_partial))
-            dk_j = accumulate(dk_j, matmul(ds.transpose(-2, -1), q_g[..., q0:q1, :], policy.grad_partial))
+            dq_tiles[i] = accumulate(dq_tiles[i], ops.mm(ds, ops.tile(k, k0, k1, out_fmt=gp), gp))
+            dk_j = accumulate(dk_j, ops.mm(ds.transpose(-2, -1), ops.tile(q, q0, q1, out_fmt=gp), gp))
         dk_tiles.append(dk_j)
         if dropout is not None:
             dv_j = cast(dv_j * dropout.scale, acc)
         dv_tiles.append(dv_j)
-    return torch.cat(dq_tiles, dim=-2), torch.cat(dk_tiles, dim=-2), torch.cat(dv_tiles, dim=-2)
+    return _cat(dq_tiles), _cat(dk_tiles), _cat(dv_tiles)
