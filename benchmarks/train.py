@@ -17,9 +17,10 @@ uncommitted changes included) builds the same models from the same seed and trai
 same per-step batches. The parent interleaves them, round by round and configuration by
 configuration (current first in even rounds, the ref first in odd ones, so that a drift of the
 machine's speed does not favour one side), and prints tokens/s for both, the ratio current / ref
-(of the medians, and per round: adjacent in time, their spread is the noise), and whether both
-trained bit-identically: every step's loss (warm-up steps included) and, at the end, a hash of
-every parameter and of AdamW's state. ``sdpa`` rides along as a control: its code does not change
+(of the medians, and per round: adjacent in time, their spread is the noise), the same by each
+worker's CPU time (which waiting for a core shared with other processes does not inflate), and
+whether both trained bit-identically: every step's loss (warm-up steps included) and, at the end,
+a hash of every parameter and of AdamW's state. ``sdpa`` rides along as a control: its code does not change
 with flashguard's, so its ratio shows the noise. The results go to
 benchmarks/results/train-against-<sha>-<threads>thread.json (or ``--json``), written atomically.
 Exit status 1 if the two trees did not train identically.
@@ -139,7 +140,8 @@ def table(args) -> None:
 # --against: a worker per tree, driven over stdin / stdout (one JSON object a line)
 
 def worker(args) -> None:
-    """Serve requests: {"config", "steps"} -> {"seconds", "losses"}; {"digest": config} -> {"digest"}."""
+    """Serve requests: {"config", "steps"} -> {"seconds", "cpu_seconds", "losses"};
+    {"digest": config} -> {"digest"}."""
     import torch
     import flashguard
     if args.threads:
@@ -163,11 +165,11 @@ def worker(args) -> None:
             s, i = setups[name], done[name]
             if i + n > len(batches):
                 raise SystemExit(f"worker: asked for more than --total-steps {len(batches)} steps")
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             losses = [s.step(*batches[j]) for j in range(i, i + n)]
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             done[name] = i + n
-            reply = {"seconds": dt, "losses": [float(v).hex() for v in losses]}
+            reply = {"seconds": dt, "cpu_seconds": dc, "losses": [float(v).hex() for v in losses]}
         out.write(json.dumps(reply) + "\n")
         out.flush()
 
@@ -233,6 +235,7 @@ def against(args) -> int:
         tokens = cur.hello["tokens_per_step"]
         losses = {n: {"current": [], "ref": []} for n in names}
         rates = {n: {"current": [], "ref": []} for n in names}
+        cpu_rates = {n: {"current": [], "ref": []} for n in names}
         for name in names:  # warm-up: not timed, losses compared
             for w, side in ((cur, "current"), (ref, "ref")):
                 if warmup:
@@ -244,6 +247,7 @@ def against(args) -> int:
                     reply = w.ask(config=name, steps=steps)
                     losses[name][side] += reply["losses"]
                     rates[name][side].append(tokens * steps / reply["seconds"])
+                    cpu_rates[name][side].append(tokens * steps / reply["cpu_seconds"])
             print(f"round {r + 1}/{rounds}: " + ", ".join(
                 f"{n} {rates[n]['current'][-1] / rates[n]['ref'][-1]:.3f}x" for n in names), flush=True)
         digests = {n: {"current": cur.ask(digest=n)["digest"], "ref": ref.ask(digest=n)["digest"]} for n in names}
@@ -262,26 +266,36 @@ def against(args) -> int:
           f"{tokens // args.batch}, bf16 autocast; {rounds} rounds of {steps} steps, interleaved, after "
           f"{warmup} warm-up steps")
     print(f"current: {head[:10]}{' + uncommitted changes' if dirty else ''}   ref: {args.against} = {sha[:10]}")
-    print(f"{'attention':<16}{'current tok/s':>14}{'ref tok/s':>11}{'ratio':>8}{'per-round min..max':>21}  identical")
+    print("tokens/s by the wall clock, median over rounds; ratio = current / ref of the medians, then the\n"
+          "per-round ratios' median and range; cpu = by each worker's CPU time (process_time: waiting for a busy\n"
+          "core not counted)")
+    print(f"{'attention':<16}{'current tok/s':>14}{'ref tok/s':>10}{'ratio':>8}{'per round: median':>19}"
+          f"{'min..max':>15}{'cpu ratio':>11}{'cpu min..max':>15}  identical")
     results, all_same = {}, True
     for name in names:
         c, f = rates[name]["current"], rates[name]["ref"]
+        cc, cf = cpu_rates[name]["current"], cpu_rates[name]["ref"]
         per_round = [a / b for a, b in zip(c, f)]
+        cpu_round = [a / b for a, b in zip(cc, cf)]
         same_loss = losses[name]["current"] == losses[name]["ref"]
         same_params = digests[name]["current"] == digests[name]["ref"]
         all_same &= same_loss and same_params
         mc, mf = statistics.median(c), statistics.median(f)
+        cpu_ratio = statistics.median(cc) / statistics.median(cf)
         results[name] = {
             "tokens_per_s": {"current": c, "ref": f}, "median_tokens_per_s": {"current": mc, "ref": mf},
             "ratio_of_medians": mc / mf, "ratio_per_round": per_round, "ratio_median": statistics.median(per_round),
             "ratio_min": min(per_round), "ratio_max": max(per_round),
+            "cpu_tokens_per_s": {"current": cc, "ref": cf}, "cpu_ratio_of_medians": cpu_ratio,
+            "cpu_ratio_per_round": cpu_round, "cpu_ratio_min": min(cpu_round), "cpu_ratio_max": max(cpu_round),
             "losses_identical": same_loss, "parameters_identical": same_params, "steps_compared": total,
             "losses": losses[name]["current"],
             **({} if same_loss else {"losses_ref": losses[name]["ref"]}),
         }
         verdict = "yes" if same_loss and same_params else ("losses differ" if not same_loss else "params differ")
-        print(f"{name:<16}{mc:>14.0f}{mf:>11.0f}{mc / mf:>7.3f}x{min(per_round):>11.3f}..{max(per_round):.3f}x"
-              f"  {verdict} ({total} steps)")
+        print(f"{name:<16}{mc:>14.0f}{mf:>10.0f}{mc / mf:>7.3f}x{statistics.median(per_round):>18.3f}x"
+              f"{min(per_round):>8.3f}..{max(per_round):.3f}{cpu_ratio:>10.3f}x"
+              f"{min(cpu_round):>8.3f}..{max(cpu_round):.3f}  {verdict} ({total} steps)")
     record = {"benchmark": "train --against", "torch": cur.hello["torch"], "threads": threads,
               "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
