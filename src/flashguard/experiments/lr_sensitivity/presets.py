@@ -47,6 +47,7 @@ PAPER_FP32FWD = Arithmetic("paper-fp32fwd", "paper-fp32fwd", ("attention.precisi
 # accumulators), the forward left as it is: which half of the arithmetic holds the edge down
 _BWD32 = "p=fp32,dp=fp32,ds=fp32,delta_product=fp32,delta=fp32,grad_partial=fp32,grad_accum=fp32"
 PAPER_BWD32 = Arithmetic("paper-bwd32", "paper, backward fp32", (f"attention.precision=paper[{_BWD32}]",))
+FA2 = Arithmetic("fa2", "fa2 (production kernels)", ("attention.precision=fa2",))
 PAPER_FP32FWD_BWD32 = Arithmetic("paper-fp32fwd-bwd32", "paper-fp32fwd, backward fp32",
                                  (f"attention.precision=paper-fp32fwd[{_BWD32}]",))
 
@@ -131,10 +132,10 @@ LR_PRESETS: dict[str, LRPreset] = {p.name: p for p in (
     # the top of micro-lr-wide, where the arithmetics part, with the backward raised to fp32 as well: its first
     # four arithmetics' runs are micro-lr-wide's (reused in one folder)
     LRPreset("micro-lr-edge", "micro", lrs=log_grid(3e-4, 3e-1, 10)[6:],
-             arithmetics=(*ALL, PAPER_BWD32, PAPER_FP32FWD_BWD32), steps=1000,
-             fixes=(*FIXES, PAPER_BWD32.name, PAPER_FP32FWD_BWD32.name),
+             arithmetics=(*ALL, PAPER_BWD32, PAPER_FP32FWD_BWD32, FA2), steps=1000,
+             fixes=(*FIXES, PAPER_BWD32.name, PAPER_FP32FWD_BWD32.name, FA2.name),
              about="the top of micro-lr-wide (0.03 to 0.3), where the arithmetics part, plus paper and paper-fp32fwd "
-                   "with the backward raised to fp32: which half of the arithmetic holds the edge down; its first "
+                   "with the backward raised to fp32, and production fa2: which half of the arithmetic holds the edge down; its first "
                    "four arithmetics are micro-lr-wide's runs (rerun into that folder to reuse them)"),
     LRPreset("tiny-cpu-lr", "tiny-cpu", lrs=GRID, arithmetics=ALL, steps=300, fixes=FIXES, checkpoint_every=50,
              eval_batches=10,
