@@ -138,6 +138,14 @@ def prepare_documents(
     return write_meta(out, meta)
 
 
+def _embedded_total_bytes(include_tests: bool, include_pydoc: bool, max_bytes: int | None) -> int:
+    """The embedded corpus's size in bytes, for the progress bar only (pydoc topics estimated)."""
+    total = sum(p.stat().st_size for p in embedded_files(include_tests))
+    if include_pydoc:
+        total += 500_000  # rough size of the pydoc topics
+    return total if max_bytes is None else min(total, max_bytes)
+
+
 def prepare_embedded(
     out_dir: str | os.PathLike[str],
     *,
@@ -155,12 +163,7 @@ def prepare_embedded(
     (12.6 MB of text, 810 documents, on CPython 3.11 by default). ``max_bytes`` caps the text size.
     """
     description = embedded_description(include_tests, include_pydoc)
-    files = embedded_files(include_tests)
-    total = sum(p.stat().st_size for p in files)
-    if include_pydoc:
-        total += 500_000  # rough size of the pydoc topics, for the progress bar only
-    if max_bytes is not None:
-        total = min(total, max_bytes)
+    total = _embedded_total_bytes(include_tests, include_pydoc, max_bytes)
     stats = SourceStats()
     docs = embedded_documents(
         max_bytes=max_bytes, include_tests=include_tests, include_pydoc=include_pydoc, stats=stats
@@ -210,12 +213,7 @@ def prepare_embedded_docs(
         kind="embedded-docs", doc_min_bytes=doc_min_bytes, doc_max_bytes=doc_max_bytes,
         cut="paragraphs between blank lines, long ones cut at line ends, short ones joined",
     )
-    files = embedded_files(include_tests)
-    total = sum(p.stat().st_size for p in files)
-    if include_pydoc:
-        total += 500_000  # rough size of the pydoc topics, for the progress bar only
-    if max_bytes is not None:
-        total = min(total, max_bytes)
+    total = _embedded_total_bytes(include_tests, include_pydoc, max_bytes)
     stats = SourceStats()
     sources = embedded_documents(
         max_bytes=max_bytes, include_tests=include_tests, include_pydoc=include_pydoc, stats=stats
