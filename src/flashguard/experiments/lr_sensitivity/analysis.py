@@ -173,12 +173,18 @@ def _per_seed(curves, seeds, name, ref) -> dict:
     return {s: compare(curves[(s, name)], curves[(s, ref)]) for s in seeds}
 
 
+def _claim_result(claim_id: str, title: str, reference: str, arithmetic: str):
+    """The verdict record of one claim comparing ``arithmetic`` with ``reference``."""
+    def result(verdict, evidence, per_seed=None):
+        return {"id": claim_id, "title": title, "verdict": verdict, "evidence": evidence,
+                "numbers": {"reference": reference, "arithmetic": arithmetic,
+                            "per_seed": {str(s): c for s, c in (per_seed or {}).items()}}}
+    return result
+
+
 def judge_harm(curves: dict, seeds, *, reference: str = "fp32", harmed: str = "paper") -> dict:
     """L1 from the curves {(seed, arithmetic name): curve}."""
-    def result(verdict, evidence, per_seed=None):
-        return {"id": HARM_CLAIM[0], "title": HARM_CLAIM[1], "verdict": verdict, "evidence": evidence,
-                "numbers": {"reference": reference, "arithmetic": harmed,
-                            "per_seed": {str(s): c for s, c in (per_seed or {}).items()}}}
+    result = _claim_result(HARM_CLAIM[0], HARM_CLAIM[1], reference, harmed)
 
     open_ = _incomplete(curves, seeds, (reference, harmed))
     if open_:
@@ -197,12 +203,7 @@ def judge_harm(curves: dict, seeds, *, reference: str = "fp32", harmed: str = "p
 def judge_fix(curves: dict, seeds, harm: dict, *, fix: str, label: str, claim_id: str,
               reference: str = "fp32") -> dict:
     """L2, L3, ...: does ``fix`` restore the reference's behaviour? ``harm``: L1's verdict."""
-    title = f"{label} restores it (not worse than {reference})"
-
-    def result(verdict, evidence, per_seed=None):
-        return {"id": claim_id, "title": title, "verdict": verdict, "evidence": evidence,
-                "numbers": {"reference": reference, "arithmetic": fix,
-                            "per_seed": {str(s): c for s, c in (per_seed or {}).items()}}}
+    result = _claim_result(claim_id, f"{label} restores it (not worse than {reference})", reference, fix)
 
     open_ = _incomplete(curves, seeds, (reference, fix))
     if open_:
