@@ -33,7 +33,7 @@ from ..numerics.policy import PrecisionPolicy
 from .dropout import TileDropout
 from .stabilizers import Stabilizer
 
-__all__ = ["flash_forward", "flash_backward", "delta_preprocess", "tile_ranges"]
+__all__ = ["flash_forward", "flash_backward", "delta_preprocess", "tile_ranges", "pbar_operand"]
 
 
 def tile_ranges(n: int, block: int) -> list[tuple[int, int]]:
@@ -298,6 +298,20 @@ def _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap=None, want_t
     return s, t
 
 
+def pbar_operand(p: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
+    """P (every entry <= 1) as the PV / dV matmul operand: rounded to ``policy.pbar``, at
+    P * 2^pbar_scale when the policy scales it into the format's range, and held scaled back
+    (multiplying by a power of two is exact, so the matmul sees what a kernel that scales P and
+    divides its fp32 result sees)."""
+    s = policy.pbar_scale
+    if not s:
+        return cast(p, policy.pbar)
+    out = cast(p * 2.0 ** s, policy.pbar)
+    if torch.finfo(out.dtype).max < torch.finfo(torch.float32).max:
+        out = out.float()  # fp16: scaled back in fp16 its small values would flush again
+    return out.mul_(2.0 ** -s)
+
+
 def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: PrecisionPolicy,
                   stabilizer: Stabilizer, block_q: int, block_k: int, keep_highp_o: bool = False,
                   softcap: float | None = None, observe=None, dropout: TileDropout | None = None):
@@ -360,7 +374,7 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
                     if _slow_exp(x, policy.scores):
                         th.fill_(x, 0.0)
                     p_full = th.fill_(_rounded(x.exp_(), policy.scores), 0.0)
-            pbar = cast(p_full, policy.pbar)
+            pbar = pbar_operand(p_full, policy)
             tile_sum = rowsum(pbar if policy.row_sum_rounded else p_full, stats)
             if policy.row_sum_floor is not None:
                 tile_sum = _rounded(tile_sum.clamp_(min=policy.row_sum_floor), stats)
@@ -515,7 +529,7 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
                 continue
             p, dcap = _p_tile(ops, q, k, lse[..., q0:q1, :], hide, bias, causal, q0, q1, k0, k1, scale, policy,
                               softcap)
-            p_mm = _operand(cast(p, policy.pbar), policy.grad_partial)
+            p_mm = _operand(pbar_operand(p, policy), policy.grad_partial)
             if dropout is not None:
                 kt = dropout.keep(q0, q1, k0, k1)
                 p_mm = torch.where(kt, p_mm, 0.0)  # 1 / (1 - p) applied to the finished dV_j

@@ -90,6 +90,8 @@ def fa2_structured(policy: PrecisionPolicy) -> str | None:
               if getattr(policy, f).torch_dtype != inputs]
     if policy.row_sum_floor is not None:
         wrong.append(f"row_sum_floor={policy.row_sum_floor}")
+    if policy.pbar_scale:
+        wrong.append(f"pbar_scale={policy.pbar_scale}")
     if policy.visit_masked_tiles:
         wrong.append("visit_masked_tiles=True")
     if policy.masked_scores != "inf":

@@ -21,6 +21,10 @@ Presets (``get_policy(name)``):
              (inputs, Pbar, the output and the whole backward stay bf16). The cheapest change the lab measured to bring the
              reference arithmetic's tie bias to the noise floor; no shift of m does it
              (docs/lab/lab.md: with a bf16 PV sum and row sum, every stabilizer leaves a lean).
+* ``fa2-e4m3-pscaled``, ``fa2-e5m2-pscaled``  the fp8 arithmetics' fix: Pbar scaled into the
+             format's range before its rounding (``pbar_scale`` 8 and 15) and the row sum taken
+             from that rounded Pbar (``row_sum_rounded``). The plain fp8 rounding flushes small
+             probabilities to zero in the numerator only; on real inputs that leans O.
 
 The study's backward ablations are single fields: ``delta_source`` ("o_lowp": delta from
 the stored low-precision O; "o_highp": from an fp32 copy of O accumulated beside it;
@@ -29,11 +33,12 @@ the stored low-precision O; "o_highp": from an fp32 copy of O accumulated beside
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from .formats import FloatFormat, get_format
 
-__all__ = ["PrecisionPolicy", "POLICIES", "get_policy", "DELTA_SOURCES"]
+__all__ = ["PrecisionPolicy", "POLICIES", "get_policy", "DELTA_SOURCES", "largest_pbar_scale"]
 
 DELTA_SOURCES = ("o_lowp", "o_highp", "dp_p")
 _MASKED_SCORES = ("inf", "finite")
@@ -52,18 +57,26 @@ class PrecisionPolicy:
       S = round_scores(round_scores(q k^T) * scale)          ``scores``
       m_new = max(m, stabilizer shift)                        ``stats``
       Pbar = exp(S - m_new) computed in ``scores``, rounded to ``pbar`` for the PV matmul
+             (as Pbar * 2^pbar_scale: see below)
       l = f*l + rowsum(Pbar)  (rounded or unrounded Pbar:    ``row_sum_rounded``), ``stats``
       PV = Pbar @ v                                           ``pv``
       O = O*f + PV                                            ``o_accum``
       final O = O / l                                         ``output``; lse = log l + m: ``lse``
     Backward, per tile pair (dO is rounded to ``inputs``):
       P = exp(S - lse)                                        ``p``
-      dV += P^T dO   (P enters as ``pbar``; product ``grad_partial``, sum ``grad_accum``)
+      dV += P^T dO   (P enters as ``pbar``, scaled alike; product ``grad_partial``, sum ``grad_accum``)
       dP = dO v^T                                             ``dp``
       delta = rowsum(dO * O)   (product ``delta_product``, sum ``delta``; see delta_source)
       dS = (P*scale) * (dP - delta)                           ``ds`` (computed in ``p``'s
                                                                format when that is wider)
       dQ += dS k, dK += dS^T q  (dS enters as ``ds``)         ``grad_partial``, ``grad_accum``
+
+    ``pbar_scale`` = s: Pbar is rounded to ``pbar`` as Pbar * 2^s and the matmul's result taken
+    back by 2^-s (exact: a power of two), as fp8 kernels scale P into the format's range. Every
+    Pbar is <= 1, so in e4m3 (smallest subnormal 2^-9) an unscaled Pbar below 2^-10 is flushed to
+    zero: the tail of every row loses its weight one-sidedly, which leans O on real inputs
+    (docs/lab/captured.md). ``2^s`` must stay below the format's largest finite value: at most 8
+    for e4m3 (448), 15 for e5m2 (57344); 0 (the default) is the plain rounding.
     """
 
     name: str = "custom"
@@ -77,6 +90,7 @@ class PrecisionPolicy:
     output: FloatFormat | str = "bf16"
     lse: FloatFormat | str = "fp32"
     row_sum_rounded: bool = False      # l sums Pbar after rounding to ``pbar`` (fix of FA PR #2721)
+    pbar_scale: int = 0                # Pbar rounded to ``pbar`` as Pbar * 2^pbar_scale (fp8 kernels' P scaling)
     row_sum_floor: float | None = None  # clamp each tile's row sum from below (reference: 1e-10)
     visit_masked_tiles: bool = False   # also process key tiles the causal mask hides completely
     masked_scores: str = "inf"         # forward value of masked scores: -inf or -max finite
@@ -106,6 +120,13 @@ class PrecisionPolicy:
         if self.masked_scores not in _MASKED_SCORES:
             raise ValueError(
                 f"PrecisionPolicy.masked_scores must be one of {_MASKED_SCORES}, got {self.masked_scores!r}")
+        if isinstance(self.pbar_scale, bool) or not isinstance(self.pbar_scale, int) or self.pbar_scale < 0:
+            raise ValueError(f"PrecisionPolicy.pbar_scale must be an int >= 0, got {self.pbar_scale!r}")
+        if self.pbar_scale and self.pbar_scale > largest_pbar_scale(self.pbar):
+            raise ValueError(
+                f"PrecisionPolicy.pbar_scale={self.pbar_scale}: 2^{self.pbar_scale} times a Pbar of 1 overflows "
+                f"pbar={self.pbar.name} (largest finite {self.pbar.max_finite:g}); at most "
+                f"{largest_pbar_scale(self.pbar)}")
         if self.row_sum_floor is not None and not self.row_sum_floor > 0:
             raise ValueError(f"PrecisionPolicy.row_sum_floor must be > 0 or None, got {self.row_sum_floor!r}")
 
@@ -132,6 +153,13 @@ class PrecisionPolicy:
     def to_dict(self) -> dict:
         return {f.name: (str(v) if isinstance(v := getattr(self, f.name), FloatFormat) else v)
                 for f in dataclasses.fields(self)}
+
+
+def largest_pbar_scale(fmt: FloatFormat) -> int:
+    """The largest s with 2^s below ``fmt``'s largest finite value: Pbar <= 1 scaled by 2^s
+    stays finite (e4m3: 8, e5m2: 15, fp16: 15, bf16: 127)."""
+    mant, exp = math.frexp(fmt.max_finite)  # max_finite = mant * 2^exp, mant in [1/2, 1)
+    return exp - 1 if mant > 0.5 else exp - 2
 
 
 def _fa2(name: str, fmt: str) -> PrecisionPolicy:
@@ -161,6 +189,13 @@ POLICIES: dict[str, PrecisionPolicy] = {
     "fa2-e4m3": _fa2("fa2-e4m3", "e4m3"),
     "fa2-e5m2": _fa2("fa2-e5m2", "e5m2"),
 }
+# The fp8 arithmetics' fix (docs/lab/lab.md, captured.md): Pbar scaled into the format's range, so
+# that small probabilities keep their weight, and the row sum taken from that same rounded Pbar
+# (FA PR #2721), so that numerator and denominator weigh every key alike.
+for _fp8 in ("e4m3", "e5m2"):
+    _plain = POLICIES[f"fa2-{_fp8}"]
+    POLICIES[f"fa2-{_fp8}-pscaled"] = _plain.replace(name=f"fa2-{_fp8}-pscaled", row_sum_rounded=True,
+                                                     pbar_scale=largest_pbar_scale(_plain.pbar))
 # lse is a statistic too: in bf16 a fully masked row's lse (log of the 1e-10 floor + m = -fp32 max)
 # overflows to -inf and the backward's exp(S - lse) becomes NaN (found by tests/attention/test_fuzz.py)
 POLICIES["paper-fp32fwd"] = POLICIES["paper"].replace(name="paper-fp32fwd", scores="fp32", pv="fp32", o_accum="fp32",
@@ -175,6 +210,11 @@ def _parse_field(name: str, text: str):
         if text.lower() not in ("true", "false"):
             raise ValueError(f"PrecisionPolicy.{name} must be true or false, got {text!r}")
         return text.lower() == "true"
+    if name == "pbar_scale":
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"PrecisionPolicy.pbar_scale must be an integer, got {text!r}") from None
     if name == "row_sum_floor":
         if text.lower() == "none":
             return None

@@ -26,7 +26,7 @@ import torch
 
 from ...attention.trace import Arithmetic
 from ...numerics import get_policy, round_to
-from ...numerics.policy import PrecisionPolicy
+from ...numerics.policy import POLICIES, PrecisionPolicy, largest_pbar_scale
 from .measure import Bench, Measurement
 from .problems import Problem
 
@@ -54,7 +54,8 @@ DECOMPOSITION = {
 def fix_candidates(policy) -> list[Arithmetic]:
     """What a user could change in ``policy`` (a name or a PrecisionPolicy): each stabilizer, and
     the arithmetic changes the lab measures (the fp32 forward accumulators of ``paper-fp32fwd``,
-    for ``paper`` with any output format; the consistent row sum of FA PR #2721)."""
+    for ``paper`` with any output format; the consistent row sum of FA PR #2721; for an fp8 Pbar,
+    that row sum with Pbar scaled into the format's range, as ``fa2-e4m3-pscaled``)."""
     p = get_policy(policy)
     out = [Arithmetic.of(p, s) for s in STABILIZER_SET if s != "none"]
     paper = get_policy("paper")
@@ -63,7 +64,18 @@ def fix_candidates(policy) -> list[Arithmetic]:
         out.append(Arithmetic.of(fp32fwd if p.output == paper.output else fp32fwd.replace(output=p.output)))
     if not p.row_sum_rounded:
         out.append(Arithmetic.of(p.replace(row_sum_rounded=True)))
+    if p.pbar.total_bits <= 8 and not p.pbar_scale:
+        # fp8: Pbar scaled into the format's range as well, with the consistent row sum
+        out.append(Arithmetic.of(_as_preset(p.replace(row_sum_rounded=True, pbar_scale=largest_pbar_scale(p.pbar)))))
     return out
+
+
+def _as_preset(policy: "PrecisionPolicy") -> "PrecisionPolicy":
+    """The preset ``policy`` equals field for field, if any (so that it is reported by its name)."""
+    for preset in POLICIES.values():
+        if preset == policy.replace(name=preset.name):
+            return preset
+    return policy
 
 
 def unrounded_output(policy) -> "PrecisionPolicy":
