@@ -94,3 +94,15 @@ def test_the_triton_kernels_refuse_a_scaled_pbar_by_name():
     from flashguard.attention.triton_flash import fa2_structured
     assert fa2_structured(get_policy("fa2")) is None
     assert "pbar_scale=3" in fa2_structured(get_policy("fa2[pbar_scale=3]"))
+
+
+def test_the_lab_tries_the_scaled_pbar_on_fp8_only_and_files_it_under_its_arithmetic():
+    from flashguard.experiments.lab.experiments import fix_candidates, fix_family
+    for fmt in ("e4m3", "e5m2"):
+        assert f"fa2-{fmt}-pscaled / none" in [a.label() for a in fix_candidates(f"fa2-{fmt}")]
+        assert fix_family(f"fa2-{fmt}") == {f"fa2-{fmt}", f"fa2-{fmt}-pscaled"}
+    for pol in ("fa2", "fa2-fp16", "paper"):
+        assert not any(a.policy.pbar_scale for a in fix_candidates(pol))
+    assert fix_family("paper") == {"paper", "paper-fp32fwd"}
+    # a policy already scaled, with the consistent row sum, is offered stabilizers only
+    assert [a.stabilizer.name for a in fix_candidates("fa2-e4m3-pscaled")] == ["paper", "paper", "safe"]

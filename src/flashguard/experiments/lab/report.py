@@ -7,7 +7,7 @@ from pathlib import Path
 from ...attention.error_stats import BIAS_RATIO_MIN, Z_CRIT
 from ...utils.atomic import atomic_write_text
 from ...utils.plotting import pyplot, save_png
-from .experiments import DECOMPOSITION, FORMAT_POLICIES
+from .experiments import DECOMPOSITION, FORMAT_POLICIES, fix_family
 
 __all__ = ["write_lab", "render_markdown", "TITLES"]
 
@@ -82,8 +82,9 @@ def render_markdown(result: dict) -> str:
                      [[TITLES.get(k, k), f"**{v}**", "<br>".join(result["details"][k])]
                       for k, v in result["verdicts"].items()]))
     for pol in FORMAT_POLICIES:
+        family = fix_family(pol)
         arith = list(dict.fromkeys(r["arithmetic"] for r in rows if r["experiment"] == "fixes"
-                                   and r["policy"].split("[")[0] in (pol, "paper-fp32fwd" if pol == "paper" else pol)))
+                                   and r["policy"].split("[")[0] in family))
         md += ["", f"## `{pol}`: O beyond the floor, with each fix", ""]
         md.append(_grid(rows, "fixes", arith, "o_vs_floor"))
         md += ["", "delta = rowsum(dO * O) beyond the floor (1e-6, z):", ""]
@@ -91,7 +92,7 @@ def render_markdown(result: dict) -> str:
         unrounded = result["answers"][pol].get("unrounded")
         if unrounded:
             u_arith = list(dict.fromkeys(r["arithmetic"] for r in rows if r["experiment"] == "fixes-unrounded"
-                                         and r["policy"].split("[")[0] == pol))
+                                         and r["policy"].split("[")[0] in family))
             md += ["", f"Nothing removes the lean at the output format, so the same measured with O left unrounded "
                        f"(fp32 output, its floor likewise): the arithmetic's own error before O's one rounding.", ""]
             md.append(_grid(rows, "fixes-unrounded", u_arith, "o_vs_floor"))
@@ -149,7 +150,7 @@ def _figures(result: dict, out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=False)
     for ax, pol in zip(axes, ("paper", "fa2")):
         labels = [a for a in dict.fromkeys(r["arithmetic"] for r in rows)
-                  if a.split(" /")[0].split("[")[0] in ((pol, "paper-fp32fwd") if pol == "paper" else (pol,))
+                  if a.split(" /")[0].split("[")[0] in fix_family(pol)
                   and "beta=7" not in a]
         for a in labels:
             xs, ys = z_of(a, small_tail)
