@@ -21,3 +21,13 @@ from run_helpers import make_tiny_corpus  # noqa: E402
 def tiny_data(tmp_path_factory) -> Path:
     """A small byte-level corpus, prepared once per session, for the tests that train."""
     return make_tiny_corpus(tmp_path_factory)
+
+
+@pytest.fixture
+def one_thread():
+    """torch at one intra-op thread for the test, restored after: pinned bits (CPU reductions split
+    by thread count) and many small ops (where threads cost more than they give) both want it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -1,4 +1,5 @@
-"""Helpers shared by the tests that train: a tiny corpus and overrides for configs/micro.toml."""
+"""Helpers shared by the tests that train: a tiny corpus and overrides for configs/micro.toml,
+and a corpus without a document separator (for the doc_starts tests of data and train)."""
 from __future__ import annotations
 
 import random
@@ -19,6 +20,29 @@ def make_tiny_corpus(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data")
     prepare_text([str(src)], out, tokenizer="byte", progress=False, overwrite=True)
     return out
+
+
+class NoSeparatorTokenizer:
+    """Byte-level, but records no document separator (eot None): what doc_starts must refuse."""
+
+    name, vocab_size, eot = "byte-no-sep", 256, None
+
+    def encode(self, text):
+        return list(text.encode())
+
+    def decode(self, ids):
+        return bytes(ids).decode()
+
+
+def prepare_without_separator(tmp_path: Path, files: int, text: str) -> Path:
+    """``files`` copies of ``text`` under tmp_path/src, prepared by NoSeparatorTokenizer into tmp_path/d."""
+    from flashguard.data import prepare_text
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(files):
+        (src / f"{i}.txt").write_text(text)
+    prepare_text(src, tmp_path / "d", tokenizer=NoSeparatorTokenizer(), progress=False)
+    return tmp_path / "d"
 
 
 def micro_overrides(data: Path, **extra) -> list[str]:

@@ -53,16 +53,6 @@ def _ours(case, stabilizer=None, device="cpu", certificate=None):
 
 
 @pytest.fixture
-def one_thread():
-    # many small ops: on a shared 2-core machine intra-op threads cost more than they give (the
-    # exact cases' bits do not depend on it: that is what is certified)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture
 def full_precision_reductions():
     # cuBLAS may reduce bf16 split-K partial sums in bf16; the exact cases assume fp32 sums
     if not torch.cuda.is_available():
@@ -76,6 +66,8 @@ def full_precision_reductions():
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = flag
 
 
+# one_thread (tests/conftest.py): many small ops, where on a shared 2-core machine intra-op threads
+# cost more than they give (the exact cases' bits do not depend on it: that is what is certified)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", EXACT, ids=paper_cases.case_id)
 def test_paper_preset_matches_reference_on_any_platform(case, device, full_precision_reductions, one_thread):

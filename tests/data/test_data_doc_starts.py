@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from flashguard.data import Document, TokenDataset, prepare_documents, prepare_text
+from flashguard.data import Document, TokenDataset, prepare_documents
+
+from run_helpers import prepare_without_separator
 
 
 @pytest.fixture(scope="module")
@@ -61,21 +63,7 @@ def test_default_draws_are_the_uniform_ones_of_before(tiny_data):
 
 
 def test_no_separator_or_no_room_is_a_clear_error(tmp_path, docs_dir):
-    class NoSeparator:
-        name, vocab_size, eot = "byte-no-sep", 256, None
-
-        def encode(self, text):
-            return list(text.encode())
-
-        def decode(self, ids):
-            return bytes(ids).decode()
-
-    src = tmp_path / "src"
-    src.mkdir()
-    for i in range(3):
-        (src / f"{i}.txt").write_text("text " * 30)
-    prepare_text(src, tmp_path / "d", tokenizer=NoSeparator(), progress=False)
-    ds = TokenDataset(tmp_path / "d")
+    ds = TokenDataset(prepare_without_separator(tmp_path, 3, "text " * 30))
     assert ds.doc_separator is None
     ds.sample_indices("train", 2, 8, torch.Generator())  # the uniform draw needs none
     with pytest.raises(ValueError, match=r"doc_starts needs a document separator, but .*meta.json records none"):

@@ -76,15 +76,8 @@ def _run(spec: AttentionSpec) -> str:
     return h.hexdigest()[:16]
 
 
-@pytest.fixture
-def one_thread():
-    # the recorded hashes are of one thread's arithmetic: with more, CPU reductions split differently
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
+# one_thread (tests/conftest.py): the recorded hashes are of one thread's arithmetic; with more,
+# CPU reductions split differently
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_training_losses_and_parameters_hash_as_recorded(name, one_thread):
     got = _run(SPECS[name])

@@ -8,7 +8,7 @@ from flashguard.cli import main
 from flashguard.data import TokenDataset
 from flashguard.train import ConfigError, JsonlLog, load_config, train
 
-from run_helpers import MICRO, crash_at, micro_overrides
+from run_helpers import MICRO, crash_at, micro_overrides, prepare_without_separator
 
 # batches.jsonl of a 3-step micro run on the tiny corpus, recorded before data.doc_starts existed
 BEFORE = [
@@ -52,24 +52,9 @@ def test_doc_starts_run_resumes_to_the_same_batches(tiny_data, tmp_path, monkeyp
 
 
 def test_doc_starts_needs_a_separator_one_clear_line(tmp_path, capsys):
-    from flashguard.data import prepare_text
-
-    class NoSeparator:
-        name, vocab_size, eot = "byte-no-sep", 256, None
-
-        def encode(self, text):
-            return list(text.encode())
-
-        def decode(self, ids):
-            return bytes(ids).decode()
-
-    src = tmp_path / "src"
-    src.mkdir()
-    for i in range(4):
-        (src / f"{i}.txt").write_text("word " * 100)
-    prepare_text(src, tmp_path / "d", tokenizer=NoSeparator(), progress=False)
+    data = prepare_without_separator(tmp_path, 4, "word " * 100)
     code = main(["train", str(MICRO), "--out", str(tmp_path / "run")]
-                + micro_overrides(tmp_path / "d", **{"data.doc_starts": "true"}))
+                + micro_overrides(data, **{"data.doc_starts": "true"}))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "data.doc_starts: doc_starts needs a document separator" in err[0]

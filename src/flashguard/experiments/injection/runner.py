@@ -22,7 +22,7 @@ from ...train.injection import install_injection
 from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
 from ...utils.atomic import atomic_write_text
 from ..repro.presets import config_path, get_preset
-from ..repro.runner import _versions, train_run
+from ..repro.runner import _versions, markdown_footer, train_run
 from ...utils.jsonl import read_jsonl
 from .analysis import boundaries, cell_outcomes, judge_coherence, run_outcome
 from .coherence import (by_component, judge_leading_layer, judge_runaway, margin, real_bias_ratio,
@@ -182,8 +182,5 @@ def injection_markdown(result: dict) -> str:
         fl = "-" if s["final_loss"] is None else f"{s['final_loss']:.3f}"
         lines.append(f"| {r['name']} | {r['seed']} | {s['status']} | {s['steps']} | "
                      f"{'-' if s['diverged_at'] is None else s['diverged_at']} | {fl} | {wq} | {ml} |")
-    if result["figures"]:
-        lines += [""] + [f"![{f}]({f})" for f in result["figures"]]
-    v = result["versions"]
-    lines += ["", f"flashguard {v['flashguard']}, torch {v['torch']}, Python {v['python']}."]
+    lines += markdown_footer(result)
     return "\n".join(lines) + "\n"

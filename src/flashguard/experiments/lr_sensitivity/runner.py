@@ -27,7 +27,7 @@ from ...train.checkpoint import checkpoint_dir
 from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
 from ...utils.atomic import atomic_write_text
 from ..repro.presets import config_path, get_preset
-from ..repro.runner import _versions, train_run
+from ..repro.runner import _versions, markdown_footer, train_run
 from .analysis import (FINAL_WINDOW, curve, judge_fix, judge_harm, mean_curve, compare, rules_text, run_outcome)
 from .figures import lr_curves
 from .presets import GRID_KEYS, WARMUP_FRACTION, LRPreset, lr_name, run_spec
@@ -204,8 +204,5 @@ def lr_markdown(result: dict) -> str:
     for r in result["runs"]:
         lines.append(f"| {r['seed']} | {r['label']} | {r['lr']:.3g} | {r['status']} | {r['steps']} | "
                      f"{_f(r['diverged_at'], 'd')} | {_f(r['final_loss'])} | {_f(r['last_val'])} |")
-    if result["figures"]:
-        lines += [""] + [f"![{f}]({f})" for f in result["figures"]]
-    v = result["versions"]
-    lines += ["", f"flashguard {v['flashguard']}, torch {v['torch']}, Python {v['python']}."]
+    lines += markdown_footer(result)
     return "\n".join(lines) + "\n"

@@ -26,12 +26,20 @@ from .claims import CLAIMS, judge_claims
 from .presets import CLAIM_RUNS, ReproPreset, config_path, run_specs
 from .summary import summarize_run
 
-__all__ = ["run_repro", "claims_markdown", "train_run"]
+__all__ = ["run_repro", "claims_markdown", "markdown_footer", "train_run"]
 
 
 def _versions() -> dict:
     from ... import __version__
     return {"flashguard": __version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def markdown_footer(result: dict) -> list[str]:
+    """The closing lines of an experiment's markdown: its figures (if any) and the _versions() line.
+    Shared by repro, injection and lr-sensitivity so their reports end alike."""
+    lines = ([""] + [f"![{f}]({f})" for f in result["figures"]]) if result.get("figures") else []
+    v = result["versions"]
+    return lines + ["", f"flashguard {v['flashguard']}, torch {v['torch']}, Python {v['python']}."]
 
 
 def _needed(claims, focus: int) -> set[str]:
@@ -144,6 +152,5 @@ def claims_markdown(result: dict) -> str:
                   "|---|---|---|---|---|"]
         lines += [f"| {m['title']} | {_f(m['diverged_at'], 'd')} | {_f(m['final_loss'])} | {_f(m['min_loss'])} | "
                   f"{_f(m.get('last_val'))} |" for m in result["remedies"]]
-    v = result["versions"]
-    lines += ["", f"flashguard {v['flashguard']}, torch {v['torch']}, Python {v['python']}."]
+    lines += markdown_footer(result)
     return "\n".join(lines) + "\n"
