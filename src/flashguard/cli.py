@@ -169,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     au.add_argument("--out", default="audit", help="output folder (default: audit)")
     au.add_argument("--device", default="cpu", help="cpu (default) or cuda: which kernels are audited")
     au.add_argument("--seed", type=int, default=0)
+    au.add_argument("--triton-interpreter", action="store_true",
+                    help="on CPU, also audit flashguard's Triton kernels (fa2, fa2-fp16) in Triton's CPU interpreter "
+                         "(their rounding steps, not a GPU's matmul order; about 10 minutes full, 4 quick)")
     from .experiments.report import add_report_arguments, run_report
     add_report_arguments(sub.add_parser("report", help="report.md and report.html with figures, from a repro, "
                                                        "training runs and/or a lab folder"))
@@ -204,9 +207,12 @@ def main(argv: list[str] | None = None) -> int:
             from .experiments.audit import run_audit, write_audit
             if args.device not in ("cpu", "cuda"):
                 raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
+            if args.triton_interpreter and args.device != "cpu":
+                raise ValueError("--triton-interpreter is for --device cpu (on cuda the Triton kernels run compiled)")
             if args.device == "cuda" and not __import__("torch").cuda.is_available():
                 raise ValueError("--device cuda: no CUDA device here")
-            result = run_audit(quick=args.quick, seed=args.seed, device=args.device, progress=lambda m: print(f"  {m}"))
+            result = run_audit(quick=args.quick, seed=args.seed, device=args.device,
+                               triton_interpreter=args.triton_interpreter, progress=lambda m: print(f"  {m}"))
             paths = write_audit(result, args.out)
             for k, v in result["verdicts"].items():
                 print(f"{k}: {v}")

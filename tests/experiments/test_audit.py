@@ -59,3 +59,30 @@ def test_cli_audit_on_cpu(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "torch sdpa: flash (CPU):" in out and (tmp_path / "audit.md").is_file()
     assert main(["audit", "--device", "tpu", "--out", str(tmp_path)]) == 2
+
+
+def test_triton_kernels_audited_in_the_cpu_interpreter(monkeypatch):
+    """--triton-interpreter: the Triton kernels' arithmetics join the CPU audit, named as
+    interpreted, and measure what the PyTorch path of the same arithmetic measures."""
+    import pytest
+
+    import flashguard.experiments.audit as audit
+    from flashguard.attention import triton_available
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what use_triton_interpreter sets, undone after the test
+    kernels = builtin_kernels("cpu", triton_interpreter=True)
+    names = [audit.kernel_name(k, "cpu") for k in kernels]
+    assert "fa2 / none 64x64 [triton] (Triton CPU interpreter)" in names
+    assert not any("[triton]" in k.label() for k in builtin_kernels("cpu"))  # only when asked
+    monkeypatch.setattr(audit, "audit_conditions", lambda quick, seed=0: [Problem(ties=2, n_rows=32)])
+    tri = next(k for k in kernels if getattr(k, "kernel", None) == "triton" and k.policy.name == "fa2")
+    res = run_audit([tri, Arithmetic.of("fa2", block_q=64, block_k=64)])
+    a, b = (r for r in res["rows"])
+    assert a["kernel"].endswith("(Triton CPU interpreter)")
+    assert abs(a["o"]["mean"] - b["o"]["mean"]) <= 1e-3 * abs(b["o"]["mean"]) + 1e-9
+
+
+def test_cli_refuses_the_interpreter_on_cuda(capsys):
+    assert main(["audit", "--device", "cuda", "--triton-interpreter"]) == 2
+    assert "--triton-interpreter is for --device cpu" in capsys.readouterr().err

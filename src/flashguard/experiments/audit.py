@@ -10,7 +10,9 @@ output formats, on the same rows). Built in, where the device has them:
 * torch ``scaled_dot_product_attention`` per ``SDPBackend``: on CPU the fused flash kernel and the
   math kernel; on CUDA flash, memory-efficient and cuDNN;
 * flashguard's PyTorch path per preset (white boxes: every intermediate visible), and its
-  Triton kernels on CUDA;
+  Triton kernels on CUDA, or on CPU in Triton's interpreter (``triton_interpreter=True``,
+  ``flashguard audit --triton-interpreter``: the kernels' own rounding steps, run one program
+  at a time in NumPy; not a GPU's matmul order or speed);
 * ``flash_attn.flash_attn_func`` when the package imports (CUDA).
 
     flashguard audit --quick --out audit     # audit.json, audit.md, audit.png
@@ -32,7 +34,7 @@ from ..utils.plotting import pyplot, save_png
 from .lab.measure import Bench, BlackBox
 from .lab.problems import Problem
 
-__all__ = ["builtin_kernels", "audit_conditions", "run_audit", "write_audit"]
+__all__ = ["builtin_kernels", "audit_conditions", "run_audit", "write_audit", "use_triton_interpreter", "kernel_name"]
 
 FLASHGUARD_PRESETS = ("paper", "paper-fp32fwd", "fa2")
 
@@ -46,13 +48,40 @@ def _sdpa(sdp_backend):
     return fn
 
 
-def builtin_kernels(device: str = "cpu") -> list:
-    """The kernels this device offers: BlackBox entries and flashguard Arithmetic entries."""
+# the Triton kernels' arithmetics audited (fa2-structured presets, as the kernels implement them)
+TRITON_PRESETS = ("fa2", "fa2-fp16")
+
+
+def _triton_arithmetics() -> list:
+    return [Arithmetic.of(p, kernel="triton", block_q=64, block_k=64) for p in TRITON_PRESETS]
+
+
+def use_triton_interpreter() -> None:
+    """Run the Triton kernels in Triton's CPU interpreter. Triton reads TRITON_INTERPRET when it
+    is imported, so this must come before anything imports it (the audit command calls it first)."""
+    import os
+    import sys
+
+    from ..attention import triton_available
+    if not triton_available():
+        raise ValueError("--triton-interpreter: the triton package is not installed (pip install triton)")
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError("--triton-interpreter: triton was already imported without TRITON_INTERPRET=1; "
+                         "set TRITON_INTERPRET=1 before the first import of triton")
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def builtin_kernels(device: str = "cpu", *, triton_interpreter: bool = False) -> list:
+    """The kernels this device offers: BlackBox entries and flashguard Arithmetic entries. On CPU,
+    ``triton_interpreter`` adds flashguard's Triton kernels run in Triton's interpreter."""
     from torch.nn.attention import SDPBackend
     out: list = []
     if device == "cpu":
         out += [BlackBox("torch sdpa: flash (CPU)", _sdpa(SDPBackend.FLASH_ATTENTION)),
                 BlackBox("torch sdpa: math (CPU)", _sdpa(SDPBackend.MATH))]
+        if triton_interpreter:
+            use_triton_interpreter()
+            out += _triton_arithmetics()
     else:
         out += [BlackBox(f"torch sdpa: {name} (CUDA)", _to_cuda(_sdpa(b)))
                 for name, b in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
@@ -64,7 +93,7 @@ def builtin_kernels(device: str = "cpu") -> list:
             pass
         from ..attention import triton_available
         if triton_available():
-            out.append(Arithmetic.of("fa2", kernel="triton", block_q=64, block_k=64))
+            out += _triton_arithmetics()
     out += [Arithmetic.of(p) for p in FLASHGUARD_PRESETS]
     return out
 
@@ -87,14 +116,21 @@ def audit_conditions(quick: bool, seed: int = 0) -> list[Problem]:
     return out
 
 
-def run_audit(kernels=None, *, quick: bool = False, seed: int = 0, device: str = "cpu", progress=None) -> dict:
+def kernel_name(kern, device: str) -> str:
+    """A kernel's row name: its label, and for a Triton arithmetic on CPU that it ran interpreted."""
+    interpreted = getattr(kern, "kernel", None) == "triton" and device == "cpu"
+    return kern.label() + (" (Triton CPU interpreter)" if interpreted else "")
+
+
+def run_audit(kernels=None, *, quick: bool = False, seed: int = 0, device: str = "cpu",
+              triton_interpreter: bool = False, progress=None) -> dict:
     t0 = time.perf_counter()
     say = progress or (lambda m: None)
-    kernels = builtin_kernels(device) if kernels is None else kernels
+    kernels = builtin_kernels(device, triton_interpreter=triton_interpreter) if kernels is None else kernels
     bench, rows, verdicts = Bench(), [], {}
     conds = audit_conditions(quick, seed)
     for kern in kernels:
-        name = kern.label()
+        name = kernel_name(kern, device)
         say(name)
         leaning = []
         for c in conds:
