@@ -22,6 +22,7 @@ from typing import Callable
 
 from .. import keys
 from ..attention.error_stats import BIAS_RATIO_MIN, Z_CRIT
+from .across_probes import ACROSS_PROBES_UNIT, ProbeSeries, format_across_probes, lean_across_probes
 
 __all__ = ["PRESENT", "WEAK", "ABSENT", "NOT_MEASURED", "PRECONDITIONS", "Reading", "Precondition", "CensusRow",
            "Census", "census_from_records", "format_census", "census_legend", "over_training", "probe_records"]
@@ -268,6 +269,8 @@ class Census:
     rows: list[CensusRow]
     per_layer: dict[int, dict[str, float | None]]
     per_head: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    # the O and delta leans read across every probe (diagnostics.across_probes), per layer
+    across: dict[str, dict[int, ProbeSeries]] = field(default_factory=dict)
 
     def counts(self) -> dict[str, int]:
         out = {PRESENT: 0, WEAK: 0, ABSENT: 0, NOT_MEASURED: 0}
@@ -285,13 +288,16 @@ class Census:
     @classmethod
     def from_dict(cls, d: dict) -> "Census":
         """Back from ``to_dict`` (diagnose's JSON)."""
+        across = {what: {int(l): ProbeSeries(**s) for l, s in per.items()}
+                  for what, per in (d.get("across") or {}).items()}
         return cls(d["step"], list(d["steps"]), list(d["layers"]), [CensusRow(**r) for r in d["rows"]],
-                   {int(k): v for k, v in d["per_layer"].items()}, dict(d.get("per_head") or {}))
+                   {int(k): v for k, v in d["per_layer"].items()}, dict(d.get("per_head") or {}), across)
 
     def to_dict(self) -> dict:
         return {"step": self.step, "steps": self.steps, "layers": self.layers,
                 "rows": [asdict(r) for r in self.rows],
                 "per_layer": {str(k): v for k, v in self.per_layer.items()}, "per_head": self.per_head,
+                "across": {what: {str(l): ser.to_dict() for l, ser in per.items()} for what, per in self.across.items()},
                 "summary": self.summary(), "legend": census_legend()}
 
 
@@ -333,7 +339,9 @@ def census_from_records(records: list[dict], layers: list[int] | None = None) ->
     heads = sorted({where[1] for k in latest if (where := keys.TIE_RATE.parse(k)) is not None
                     and where[1] is not None and where[0] in layers})
     per_head = {f"L{l}H{h}": {c: _value(latest, m, l, h) for c, m in HEAD_COLUMNS} for l in layers for h in heads}
-    return Census(latest[keys.STEP], [r[keys.STEP] for r in recs], layers, rows, per_layer, per_head)
+    across = {what: {l: ser for l, ser in lean_across_probes(recs, what).items() if l in layers}
+              for what in ("delta", "O")}
+    return Census(latest[keys.STEP], [r[keys.STEP] for r in recs], layers, rows, per_layer, per_head, across)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -377,5 +385,9 @@ def format_census(c: Census, *, heads: bool = False) -> str:
     if heads and c.per_head:
         lines += ["", _table(["head"] + [h for h, _ in HEAD_COLUMNS],
                              [[name] + [cell(v) for v in vals.values()] for name, vals in c.per_head.items()])]
+    if any(c.across.values()):
+        lines += ["", f"bias across the probes (Stouffer z; unit: {ACROSS_PROBES_UNIT}; a lean: |z| >= {Z_CRIT:.2f} "
+                      f"and mean ratio >= {BIAS_RATIO_MIN:g} of its sign):"]
+        lines += [format_across_probes(per) for per in c.across.values() if per]
     lines += ["", "legend:"] + [f"  {ln}" for ln in census_legend()]
     return "\n".join(lines)

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from ... import keys
+from ...diagnostics.across_probes import ACROSS_PROBES_UNIT
 from ...diagnostics.census_table import LAYER_COLUMNS, census_from_records, census_legend, over_training
 from .load import Run, Study
 from .write import Table, fmt
@@ -63,6 +64,13 @@ def census_blocks(study: Study) -> list[tuple]:
                                     "verdict"], rows, verdict_col=5)),
                    ("table", Table([f"step {c.step}: layer"] + [h for h, _ in LAYER_COLUMNS],
                                    [[f"L{l}"] + [fmt(v) for v in vals.values()] for l, vals in c.per_layer.items()]))]
+        across = [s for per in c.across.values() for s in per.values()]
+        if across:
+            tables.append(("table", Table(
+                ["error, layer", "probes positive", "Stouffer z", "mean ratio", "across the probes"],
+                [[f"{s.what} L{s.layer}", f"{s.positive}/{len(s.zs)}", f"{s.stouffer_z:+.1f}",
+                  "-" if s.mean_ratio is None else f"{s.mean_ratio:+.3f}", s.verdict] for s in across],
+                verdict_col=4)))
     if not tables:
         return []
     return [("h2", "Preconditions census"),
@@ -71,4 +79,5 @@ def census_blocks(study: Study) -> list[tuple]:
                   "tied keys, a leaning O and a positive delta error), measured by the probes with the arithmetic "
                   "each layer trained with, against what the study reports, with a verdict per row by the rules "
                   "below (`flashguard diagnose RUN --census` prints the same table for one checkpoint)."),
-            *tables, ("list", census_legend())]
+            *tables, ("list", census_legend() + [f"Across the probes: Stouffer's z of the probes' z of O's and delta's "
+                                                 f"error per layer; unit: {ACROSS_PROBES_UNIT}."])]
