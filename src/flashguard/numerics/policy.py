@@ -21,10 +21,11 @@ Presets (``get_policy(name)``):
              (inputs, Pbar, the output and the whole backward stay bf16). The cheapest change the lab measured to bring the
              reference arithmetic's tie bias to the noise floor; no shift of m does it
              (docs/lab/lab.md: with a bf16 PV sum and row sum, every stabilizer leaves a lean).
-* ``fa2-e4m3-pscaled``, ``fa2-e5m2-pscaled``  the fp8 arithmetics' fix: Pbar scaled into the
-             format's range before its rounding (``pbar_scale`` 8 and 15) and the row sum taken
-             from that rounded Pbar (``row_sum_rounded``). The plain fp8 rounding flushes small
-             probabilities to zero in the numerator only; on real inputs that leans O.
+* ``fa2-e4m3-pscaled``, ``fa2-e5m2-pscaled``  the fp8 arithmetics' fix: Pbar in e4m3, scaled
+             into its range before its rounding (``pbar_scale=8``), and the row sum taken from
+             that rounded Pbar (``row_sum_rounded``). The plain e4m3 rounding flushes small
+             probabilities to zero in the numerator only, and e5m2's two mantissa bits leave a
+             lean whatever the scale; on real inputs both lean O.
 
 The study's backward ablations are single fields: ``delta_source`` ("o_lowp": delta from
 the stored low-precision O; "o_highp": from an fp32 copy of O accumulated beside it;
@@ -72,7 +73,7 @@ class PrecisionPolicy:
       dQ += dS k, dK += dS^T q  (dS enters as ``ds``)         ``grad_partial``, ``grad_accum``
 
     ``pbar_scale`` = s: Pbar is rounded to ``pbar`` as Pbar * 2^s and the matmul's result taken
-    back by 2^-s (exact: a power of two), as fp8 kernels scale P into the format's range. Every
+    back by 2^-s (exact: a power of two): P scaled into the format's range. Every
     Pbar is <= 1, so in e4m3 (smallest subnormal 2^-9) an unscaled Pbar below 2^-10 is flushed to
     zero: the tail of every row loses its weight one-sidedly, which leans O on real inputs
     (docs/lab/captured.md). ``2^s`` must stay below the format's largest finite value: at most 8
@@ -90,7 +91,7 @@ class PrecisionPolicy:
     output: FloatFormat | str = "bf16"
     lse: FloatFormat | str = "fp32"
     row_sum_rounded: bool = False      # l sums Pbar after rounding to ``pbar`` (fix of FA PR #2721)
-    pbar_scale: int = 0                # Pbar rounded to ``pbar`` as Pbar * 2^pbar_scale (fp8 kernels' P scaling)
+    pbar_scale: int = 0                # Pbar rounded to ``pbar`` as Pbar * 2^pbar_scale (into fp8's range)
     row_sum_floor: float | None = None  # clamp each tile's row sum from below (reference: 1e-10)
     visit_masked_tiles: bool = False   # also process key tiles the causal mask hides completely
     masked_scores: str = "inf"         # forward value of masked scores: -inf or -max finite
@@ -189,13 +190,14 @@ POLICIES: dict[str, PrecisionPolicy] = {
     "fa2-e4m3": _fa2("fa2-e4m3", "e4m3"),
     "fa2-e5m2": _fa2("fa2-e5m2", "e5m2"),
 }
-# The fp8 arithmetics' fix (docs/lab/lab.md, captured.md): Pbar scaled into the format's range, so
-# that small probabilities keep their weight, and the row sum taken from that same rounded Pbar
-# (FA PR #2721), so that numerator and denominator weigh every key alike.
+# The fp8 arithmetics' fix (docs/lab/lab.md, captured.md): Pbar in e4m3 scaled into its range (x 2^8),
+# so that small probabilities keep their weight, and the row sum taken from that same rounded Pbar
+# (FA PR #2721), so that numerator and denominator weigh every key alike. With e5m2 inputs Pbar is
+# e4m3 as well: e5m2's range needs no scale, but its two mantissa bits leave O leaning on real inputs
+# (a noisy denominator is a biased one) with the row sum consistent and the scale or not.
 for _fp8 in ("e4m3", "e5m2"):
-    _plain = POLICIES[f"fa2-{_fp8}"]
-    POLICIES[f"fa2-{_fp8}-pscaled"] = _plain.replace(name=f"fa2-{_fp8}-pscaled", row_sum_rounded=True,
-                                                     pbar_scale=largest_pbar_scale(_plain.pbar))
+    POLICIES[f"fa2-{_fp8}-pscaled"] = POLICIES[f"fa2-{_fp8}"].replace(
+        name=f"fa2-{_fp8}-pscaled", pbar="e4m3", row_sum_rounded=True, pbar_scale=largest_pbar_scale(get_format("e4m3")))
 # lse is a statistic too: in bf16 a fully masked row's lse (log of the 1e-10 floor + m = -fp32 max)
 # overflows to -inf and the backward's exp(S - lse) becomes NaN (found by tests/attention/test_fuzz.py)
 POLICIES["paper-fp32fwd"] = POLICIES["paper"].replace(name="paper-fp32fwd", scores="fp32", pv="fp32", o_accum="fp32",

@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from ...attention.trace import Arithmetic
-from ...numerics import get_policy, round_to
+from ...numerics import get_format, get_policy, round_to
 from ...numerics.policy import POLICIES, PrecisionPolicy, largest_pbar_scale
 from .measure import Bench, Measurement
 from .problems import Problem
@@ -55,7 +55,7 @@ def fix_candidates(policy) -> list[Arithmetic]:
     """What a user could change in ``policy`` (a name or a PrecisionPolicy): each stabilizer, and
     the arithmetic changes the lab measures (the fp32 forward accumulators of ``paper-fp32fwd``,
     for ``paper`` with any output format; the consistent row sum of FA PR #2721; for an fp8 Pbar,
-    that row sum with Pbar scaled into the format's range, as ``fa2-e4m3-pscaled``)."""
+    that row sum with Pbar in e4m3 scaled into its range, as ``fa2-e4m3-pscaled``)."""
     p = get_policy(policy)
     out = [Arithmetic.of(p, s) for s in STABILIZER_SET if s != "none"]
     paper = get_policy("paper")
@@ -65,8 +65,10 @@ def fix_candidates(policy) -> list[Arithmetic]:
     if not p.row_sum_rounded:
         out.append(Arithmetic.of(p.replace(row_sum_rounded=True)))
     if p.pbar.total_bits <= 8 and not p.pbar_scale:
-        # fp8: Pbar scaled into the format's range as well, with the consistent row sum
-        out.append(Arithmetic.of(_as_preset(p.replace(row_sum_rounded=True, pbar_scale=largest_pbar_scale(p.pbar)))))
+        # fp8: Pbar in e4m3 scaled into its range, with the consistent row sum (fa2-e4m3-pscaled)
+        e4m3 = get_format("e4m3")
+        out.append(Arithmetic.of(_as_preset(p.replace(pbar=e4m3, row_sum_rounded=True,
+                                                      pbar_scale=largest_pbar_scale(e4m3)))))
     return out
 
 
