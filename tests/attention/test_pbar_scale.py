@@ -108,3 +108,21 @@ def test_the_lab_tries_the_scaled_pbar_on_fp8_only_and_files_it_under_its_arithm
     assert fix_family("paper") == {"paper", "paper-fp32fwd"}
     # a policy already scaled, with the consistent row sum, is offered stabilizers only
     assert [a.stabilizer.name for a in fix_candidates("fa2-e4m3-pscaled")] == ["paper", "paper", "safe"]
+
+
+@pytest.mark.parametrize("fmt, s", [("e4m3", 8), ("e5m2", 15), ("e4m3", 3)])
+def test_the_one_pass_rounding_is_the_scaled_rounding_bit_for_bit(fmt, s):
+    """pbar_operand rounds an emulated Pbar once, to the format with its bias raised by s; that is
+    the rounding of P * 2^s multiplied back, for every P: grid points, midpoints, the subnormal
+    range, zero, one."""
+    from flashguard.attention import flash
+    from flashguard.numerics.arith import cast
+    f = FORMATS[fmt]
+    g = torch.Generator().manual_seed(1)
+    p = torch.cat([torch.rand(200_000, generator=g), torch.rand(200_000, generator=g) * 2.0 ** -(s + 8),
+                   torch.exp(-30 * torch.rand(200_000, generator=g)), torch.tensor([0.0, 1.0])])
+    grid = torch.tensor(sorted({x for x in (f.min_subnormal * 2.0 ** -s * i for i in range(1, 4096)) if x <= 1}))
+    p = torch.cat([p, grid, (grid[1:] + grid[:-1]) / 2])  # representable values and the ties between them
+    policy = get_policy(f"fa2-{fmt}").replace(pbar_scale=s)
+    three_pass = cast(p * 2.0 ** s, f) * 2.0 ** -s
+    assert torch.equal(flash.pbar_operand(p, policy), three_pass)

@@ -25,10 +25,12 @@ once to the finished accumulator, as O's is.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..numerics.arith import cast, emulate, rowsum, storage_dtype
-from ..numerics.formats import FP32, FP64
+from ..numerics.formats import FP32, FP64, FloatFormat
 from ..numerics.policy import PrecisionPolicy
 from .dropout import TileDropout
 from .stabilizers import Stabilizer
@@ -298,6 +300,13 @@ def _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap=None, want_t
     return s, t
 
 
+@functools.lru_cache(maxsize=None)
+def _scaled_down(fmt: FloatFormat, s: int) -> FloatFormat:
+    """``fmt`` with every value multiplied by 2^-s (the same bits, bias + s)."""
+    return FloatFormat(f"{fmt.name}*2^-{s}", fmt.exponent_bits, fmt.mantissa_bits, fmt.bias + s, fmt.has_inf,
+                       fmt.nan, fmt.overflow)
+
+
 def pbar_operand(p: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
     """P (every entry <= 1) as the PV / dV matmul operand: rounded to ``policy.pbar``, at
     P * 2^pbar_scale when the policy scales it into the format's range, and held scaled back
@@ -306,6 +315,10 @@ def pbar_operand(p: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
     s = policy.pbar_scale
     if not s:
         return cast(p, policy.pbar)
+    if not policy.pbar.is_native:
+        # emulated (fp8): P rounded to the format's grid moved down by 2^s - its bias raised by s - is,
+        # bit for bit, P * 2^s rounded to the format and multiplied back, in one pass instead of three
+        return cast(p, _scaled_down(policy.pbar, s))
     out = cast(p * 2.0 ** s, policy.pbar)
     if torch.finfo(out.dtype).max < torch.finfo(torch.float32).max:
         out = out.float()  # fp16: scaled back in fp16 its small values would flush again
