@@ -13,16 +13,24 @@ __all__ = ["add_repro_arguments", "run_repro_command"]
 def add_repro_arguments(p: argparse.ArgumentParser) -> None:
     from ..injection.presets import INJECTION_PRESETS
     from ..lr_sensitivity.presets import LR_PRESETS
-    p.add_argument("--preset", default="tiny-cpu",
-                   help=f"training set-up (default: tiny-cpu); claims: {', '.join(PRESETS)}; "
-                        f"injection: {', '.join(INJECTION_PRESETS)}; lr-sensitivity: {', '.join(LR_PRESETS)}")
-    p.add_argument("--experiment", default="claims", choices=("claims", "injection", "early-warning", "lr-sensitivity"),
+    from ..natural.presets import NATURAL_PRESETS
+    p.add_argument("--preset", default=None,
+                   help=f"training set-up (default: tiny-cpu; natural: nat512); claims: {', '.join(PRESETS)}; "
+                        f"injection: {', '.join(INJECTION_PRESETS)}; lr-sensitivity: {', '.join(LR_PRESETS)}; "
+                        f"natural: {', '.join(NATURAL_PRESETS)}")
+    p.add_argument("--experiment", default="claims",
+                   choices=("claims", "injection", "early-warning", "lr-sensitivity", "natural"),
                    help="claims: the study's claims as matched runs (default); injection: the delta error-injection "
                         "grid (alpha x sign rule) with its phase diagram; early-warning: the early-warning detectors "
                         "measured on finished runs (--runs), nothing trained; lr-sensitivity: final loss over a log "
-                        "grid of learning rates per attention arithmetic (Wortsman et al. 2023), with verdicts")
+                        "grid of learning rates per attention arithmetic (Wortsman et al. 2023), with verdicts; "
+                        "natural: the natural-preconditions arms (fp32, paper, paper-fix, paper-fp32fwd on short "
+                        "documents) with claims N1-N5 on the delta lean across probes and divergence (trains the "
+                        "arms, or analyses finished ones given by --runs arm=DIR,...)")
     p.add_argument("--runs", nargs="+", metavar="DIR",
-                   help="early-warning: folders of finished runs (searched recursively; unfinished runs skipped)")
+                   help="early-warning: folders of finished runs (searched recursively; unfinished runs skipped); "
+                        "natural: ARM=DIR,ARM=DIR,... run folders to analyse, nothing trained (arms not given are "
+                        "'not run'; an unfinished run is judged on what it has)")
     p.add_argument("--seeds", help="injection, lr-sensitivity: comma-separated training seeds, every arm (every "
                                    "run of the grid) per seed (default: the config's train.seed)")
     p.add_argument("--claims", default=None,
@@ -43,13 +51,15 @@ def run_repro_command(args) -> int:
         return _run_early_warning_command(args)
     if args.experiment == "lr-sensitivity":
         return _run_lr_sensitivity_command(args)
+    if args.experiment == "natural":
+        return _run_natural_command(args)
     if args.runs is not None:
-        raise ValueError("--runs applies to --experiment early-warning only")
+        raise ValueError("--runs applies to --experiment early-warning and natural only")
     if args.seeds is not None:
         raise ValueError("--seeds applies to --experiment injection and lr-sensitivity only")
     claims = [c.strip().upper() for c in (args.claims or ",".join(CLAIMS)).split(",") if c.strip()]
-    result = run_repro(get_preset(args.preset), args.out, claims=claims, remedies=args.remedies, steps=args.steps,
-                       overrides=args.overrides)
+    result = run_repro(get_preset(args.preset or "tiny-cpu"), args.out, claims=claims, remedies=args.remedies,
+                       steps=args.steps, overrides=args.overrides)
     width = max(len(c["id"]) for c in result["claims"])
     for c in result["claims"]:
         print(f"{c['id']:<{width}}  {c['verdict']:<12}  {c['evidence']}")
@@ -62,7 +72,7 @@ def _run_injection_command(args) -> int:
     if args.claims is not None or args.remedies:
         raise ValueError("--claims and --remedies apply to --experiment claims, not injection")
     seeds = _seeds(args.seeds)
-    result = run_injection(get_injection_preset(args.preset), args.out, seeds=seeds, steps=args.steps,
+    result = run_injection(get_injection_preset(args.preset or "tiny-cpu"), args.out, seeds=seeds, steps=args.steps,
                            overrides=args.overrides)
     for col in result["columns"]:
         print(f"alpha*({col}) {result['boundaries'][col]['text']}")
@@ -91,9 +101,9 @@ def _run_lr_sensitivity_command(args) -> int:
              if v is not None]
     if wrong:
         raise ValueError(f"{', '.join(wrong)}: not for --experiment lr-sensitivity (it trains its own lr grid; "
-                         "--claims and --remedies are for claims, --runs for early-warning)")
-    result = run_lr_sensitivity(get_lr_preset(args.preset), args.out, seeds=_seeds(args.seeds), steps=args.steps,
-                                overrides=args.overrides)
+                         "--claims and --remedies are for claims, --runs for early-warning and natural)")
+    result = run_lr_sensitivity(get_lr_preset(args.preset or "tiny-cpu"), args.out, seeds=_seeds(args.seeds),
+                                steps=args.steps, overrides=args.overrides)
     for m in result["means"]:
         largest = ", ".join("none" if x is None else f"{x:.3g}" for x in m["largest_trainable_lr"])
         sens = "-" if m["sensitivity"] is None else f"{m['sensitivity']:.3f}"
@@ -101,6 +111,26 @@ def _run_lr_sensitivity_command(args) -> int:
     for c in result["claims"]:
         print(f"{c['id']}  {c['verdict']:<12}  {c['evidence']}")
     print(f"tables and runs: {args.out}/lr_sensitivity.md; figure: {', '.join(result['figures'])}")
+    return 0
+
+
+def _run_natural_command(args) -> int:
+    from ..natural import get_natural_preset, parse_runs, run_natural
+    from ..natural.analysis import series_text
+    wrong = [n for n, v in (("--seeds", args.seeds), ("--claims", args.claims), ("--remedies", args.remedies or None))
+             if v is not None]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)}: not for --experiment natural (its arms share one seed, the config's; "
+                         "--claims and --remedies are for claims)")
+    preset = get_natural_preset(args.preset or "nat512")
+    runs = parse_runs(args.runs, preset) if args.runs is not None else None
+    result = run_natural(preset, args.out, runs=runs, steps=args.steps, overrides=args.overrides)
+    for o in result["outcomes"]:
+        leans = "; ".join(series_text(r) for r in o["delta"]) or "no delta probes"
+        print(f"{o['arm']:<14} {o['state']}; delta across probes: {leans}")
+    for c in result["claims"]:
+        print(f"{c['id']}  {c['verdict']:<12}  {c['evidence']}")
+    print(f"tables: {args.out}/natural.md, {args.out}/natural.json")
     return 0
 
 

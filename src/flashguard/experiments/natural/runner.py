@@ -1,0 +1,223 @@
+"""`flashguard repro --experiment natural`: the matched natural-preconditions runs (issue #12 item
+4) and claims N1-N5 judged on them (analysis.py states every definition and rule).
+
+    OUT/natural.json   preset, arms (overrides, folder), per-arm outcome, matching, claims, versions
+    OUT/natural.md     the claims table, the arms table, the leans per layer, the rules
+    OUT/runs/<ARM>/    each arm's training run (mode a; config.toml, metrics.jsonl, checkpoints/, ...)
+
+Two modes. (a) Train: every arm of the preset by the repro's ``train_run`` (a finished arm is
+skipped, an interrupted one resumes from its last checkpoint), so rerunning the command continues
+where it stopped; the results are rewritten after every arm. Checkpoints are kept (the
+captured-problem lab reads a run's last one). (b) ``runs={arm: DIR}``: analyse run folders
+trained elsewhere (e.g. by ``flashguard train``), training nothing; an arm not given or without
+a metrics.jsonl is "not run", an unfinished one is judged on what it has, and the verdicts say so.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ...train import load_config
+from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
+from ...utils.atomic import atomic_write_text
+from ..repro.presets import RunSpec
+from ..repro.runner import _versions, markdown_footer, train_run
+from .analysis import arm_outcome, judge_claims, matched_batches, missing_outcome, rules_text, series_text
+from .presets import ARM_KEYS, NaturalPreset
+
+__all__ = ["run_natural", "natural_markdown", "parse_runs", "common_overrides"]
+
+
+def common_overrides(preset: NaturalPreset, progress: bool, overrides=()) -> list[str]:
+    """The overrides every arm shares (train.steps is passed to train_run on its own)."""
+    return [*preset.overrides, f"train.diagnostics_every={preset.diagnostics_every}",
+            f"train.divergence_factor={DIVERGENCE_FACTOR:g}", f"train.progress={'true' if progress else 'false'}",
+            *overrides]
+
+
+def _check_overrides(overrides) -> None:
+    taken = [o for o in overrides if o.split("=", 1)[0].strip() in ARM_KEYS]
+    if taken:
+        raise ValueError(f"{', '.join(taken)}: set by the natural experiment's arms ({', '.join(ARM_KEYS)}); "
+                         "use --steps for the steps")
+
+
+def parse_runs(items, preset: NaturalPreset) -> dict[str, Path]:
+    """``--runs arm=DIR,arm=DIR`` (one or more arguments, each comma-separated) as {arm: DIR}."""
+    text = ",".join(items) if not isinstance(items, str) else items
+    out: dict[str, Path] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        arm, eq, d = part.partition("=")
+        arm, d = arm.strip(), d.strip()
+        if not eq or not arm or not d:
+            raise ValueError(f"--runs: {part!r} is not ARM=DIR (arms: {', '.join(a.name for a in preset.arms)})")
+        if arm not in {a.name for a in preset.arms}:
+            raise ValueError(f"--runs: unknown arm {arm!r}; the arms of preset {preset.name!r}: "
+                             f"{', '.join(a.name for a in preset.arms)}")
+        if arm in out:
+            raise ValueError(f"--runs: arm {arm!r} given twice")
+        out[arm] = Path(d)
+    if not out:
+        raise ValueError("--runs: no ARM=DIR given")
+    return out
+
+
+def _expected(preset: NaturalPreset) -> dict[str, tuple[str, str]]:
+    """Each arm's (precision, stabilizer) as its overrides make them (the config's spelling)."""
+    out = {}
+    for a in preset.arms:
+        spec = load_config(None, list(a.overrides)).attention.spec
+        out[a.name] = (spec.precision, spec.stabilizer)
+    return out
+
+
+def _check_given(runs: dict[str, Path], preset: NaturalPreset) -> None:
+    """Refuse a run folder whose config is another arm's arithmetic (a swapped --runs)."""
+    from .analysis import run_config
+    want = _expected(preset)
+    wrong = []
+    for arm, d in runs.items():
+        cfg = run_config(d)
+        if cfg is not None and (cfg["precision"], cfg["stabilizer"]) != want[arm]:
+            wrong.append(f"{arm}={d} has attention.precision={cfg['precision']} attention.stabilizer="
+                         f"{cfg['stabilizer']}, the arm is precision={want[arm][0]} stabilizer={want[arm][1]}")
+    if wrong:
+        raise ValueError("--runs: " + "; ".join(wrong))
+
+
+def run_natural(preset: NaturalPreset, out: str | Path, *, runs: dict | None = None, steps: int | None = None,
+                overrides=(), progress: bool = True, log=print) -> dict:
+    """Mode (a) (``runs`` None): train every arm under OUT/runs/<arm>/, then judge. Mode (b)
+    (``runs`` = {arm: DIR}): judge those folders, training nothing. Returns the result written."""
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    out = Path(out)
+    steps = steps or preset.steps
+    overrides = list(overrides)
+    t0 = time.perf_counter()
+    if runs is not None:
+        if overrides:
+            raise ValueError(f"{' '.join(overrides)}: key=value overrides train runs; --runs analyses finished "
+                             "folders and trains nothing")
+        runs = {a: Path(d) for a, d in runs.items()}
+        unknown = [a for a in runs if a not in {x.name for x in preset.arms}]
+        if unknown:
+            raise ValueError(f"unknown arm(s) {', '.join(unknown)}; arms: {', '.join(a.name for a in preset.arms)}")
+        _check_given(runs, preset)
+        result = _write(out, preset, steps, runs, mode="analyse", common=None)
+        result["wall_s"] = time.perf_counter() - t0
+        return result
+    _check_overrides(overrides)
+    base = preset.config_path()
+    common = common_overrides(preset, progress, overrides)
+    for a in preset.arms:  # every arm's config must load before anything trains
+        load_config(base, [*common, *a.overrides, f"train.steps={steps}"])
+    dirs = {a.name: out / "runs" / a.name for a in preset.arms}
+    for i, a in enumerate(preset.arms, 1):
+        log(f"[{i}/{len(preset.arms)}] {a.name}: {a.label} ({' '.join(a.overrides)})")
+        if train_run(RunSpec(a.name, "natural", a.label, a.overrides), base, common, steps, dirs[a.name], log):
+            _write(out, preset, steps, dirs, mode="train", common=common)  # survives an interrupt
+    result = _write(out, preset, steps, dirs, mode="train", common=common)
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def _write(out: Path, preset: NaturalPreset, steps: int, dirs: dict[str, Path], *, mode: str, common) -> dict:
+    now = time.time()
+    outcomes = {}
+    for a in preset.arms:
+        if a.name in dirs:
+            outcomes[a.name] = arm_outcome(dirs[a.name], steps, arm=a.name, overrides=a.overrides, now=now)
+        else:
+            outcomes[a.name] = missing_outcome(a.name, overrides=a.overrides)
+    present = {n: (Path(o["dir"]) if o["status"] != "missing" else None) for n, o in outcomes.items()}
+    matching = {"seeds": {n: (o["config"] or {}).get("seed") for n, o in outcomes.items() if o["config"]},
+                "batches": matched_batches(present, preset.reference)}
+    claims = judge_claims(outcomes, reference=preset.reference, harmed=preset.harmed, lab_fix=preset.lab_fix,
+                          study_fix=preset.study_fix)
+    rel = (lambda d: str(Path(d).relative_to(out))) if mode == "train" else str
+    result = {"experiment": "natural", "preset": preset.name, "about": preset.about, "config": preset.config,
+              "mode": mode, "steps": steps, "diagnostics_every": preset.diagnostics_every,
+              "common_overrides": common,
+              "arms": [{"name": a.name, "label": a.label, "overrides": list(a.overrides),
+                        "dir": rel(dirs[a.name]) if a.name in dirs else None} for a in preset.arms],
+              "roles": {"reference": preset.reference, "harmed": preset.harmed, "lab_fix": preset.lab_fix,
+                        "study_fix": preset.study_fix},
+              "divergence_rule": describe_rule(DIVERGENCE_FACTOR), "definitions": rules_text(),
+              "outcomes": [outcomes[a.name] for a in preset.arms], "matching": matching, "claims": claims,
+              "versions": _versions(), "figures": []}
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "natural.json", json.dumps(result, indent=1, default=float) + "\n")
+    atomic_write_text(out / "natural.md", natural_markdown(result))
+    return result
+
+
+def _f(x, fmt=".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _leans(rows: list[dict]) -> str:
+    return "<br>".join(series_text(r) for r in rows) if rows else "no probes"
+
+
+def _status(o: dict) -> str:
+    if o["status"] == "missing":
+        return "not run"
+    if o["status"] == "diverged":
+        return f"diverged at step {o['diverged_at']}"
+    if o["status"] == "partial":
+        return f"incomplete (running or stopped at step {o['steps'] - 1})"
+    return "done"
+
+
+def _matching_text(result: dict) -> str:
+    m = result["matching"]
+    seeds = sorted({s for s in m["seeds"].values() if s is not None})
+    parts = [f"seed{'s' if len(seeds) != 1 else ''} {', '.join(map(str, seeds)) or '-'}"]
+    ref = result["roles"]["reference"]
+    for arm, b in m["batches"].items():
+        if b is None:
+            parts.append(f"{arm}: no batches to compare with {ref}")
+        elif b["first_mismatch"] is None:
+            parts.append(f"{arm}: the same batches as {ref} at all {b['compared']} steps both logged")
+        else:
+            parts.append(f"{arm}: batches differ from {ref}'s from step {b['first_mismatch']}")
+    return "; ".join(parts)
+
+
+def natural_markdown(result: dict) -> str:
+    outcomes = result["outcomes"]
+    labels = {a["name"]: a for a in result["arms"]}
+    how = ("trained here (OUT/runs/<arm>)" if result["mode"] == "train"
+           else "analysed from run folders trained elsewhere (nothing trained)")
+    lines = [f"# flashguard natural-preconditions runs: {result['preset']}", "",
+             f"{result['about']}. Config `{result['config']}`, {result['steps']} steps an arm, probes every "
+             f"{result['diagnostics_every']} steps; {how}. Divergence: {result['divergence_rule']}.", "",
+             f"Matching: {_matching_text(result)}.", "",
+             "| claim | verdict | evidence |", "|---|---|---|"]
+    lines += [f"| {c['id']}: {c['title']} | **{c['verdict']}** | {c['evidence']} |" for c in result["claims"]]
+    lines += ["", "| arm | status | steps | val loss | delta across probes per layer | O across probes per layer | "
+                  "census |", "|---|---|---|---|---|---|---|"]
+    for o in outcomes:
+        a = labels[o["arm"]]
+        val = "-" if o["last_val"] is None else f"{o['last_val']:.3f} (step {o['last_val_step']})"
+        lines.append(f"| {o['arm']} (`{' '.join(a['overrides'])}`) | {_status(o)} | "
+                     f"{o['steps']}/{result['steps']} | {val} | {_leans(o['delta'])} | {_leans(o['O'])} | "
+                     f"{o['census'] or '-'} |")
+    lines += ["", "Each arm:", ""]
+    lines += [f"- {o['arm']}: {o['state']}" + (f"; {o['dir']}" if o["dir"] else "") for o in outcomes]
+    lines += ["", "Per layer (Stouffer z over the probes, probes with a positive z, mean bias ratio, verdict):", "",
+              "| arm | error | layer | probes (steps) | positive | Stouffer z | mean ratio | verdict |",
+              "|---|---|---|---|---|---|---|---|"]
+    for o in outcomes:
+        for what in ("delta", "O"):
+            for r in o[what]:
+                lines.append(f"| {o['arm']} | {what} | L{r['layer']} | {r['probes']} ({r['first_step']}-"
+                             f"{r['last_step']}) | {r['positive']} | {r['stouffer_z']:+.2f} | "
+                             f"{_f(r['mean_ratio'], '+.4f')} | {r['verdict']} |")
+    lines += ["", "Rules: " + result["definitions"]]
+    lines += markdown_footer(result)
+    return "\n".join(lines) + "\n"

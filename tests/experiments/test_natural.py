@@ -1,0 +1,287 @@
+"""`flashguard repro --experiment natural`: claims N1-N5 with known answers each way on fabricated
+arm outcomes (held, not held, inconclusive for a missing arm), the analysis of fabricated run
+folders through --runs (mode b, nothing trained), a smoke run of the arms on the micro model
+(mode a: resumable, matched batches, a rerun trains nothing), and the CLI's refusals."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from run_helpers import crash_at
+
+from flashguard import keys
+from flashguard.cli import main
+from flashguard.experiments.natural import (NATURAL_PRESETS, get_natural_preset, judge_claims, parse_runs,
+                                            run_natural)
+from flashguard.experiments.natural.analysis import HELD, INCONCLUSIVE, NOT_HELD, missing_outcome
+from flashguard.experiments.natural.runner import common_overrides
+from flashguard.train import JsonlLog, load_config
+
+ARMS = ("fp32", "paper", "paper-fix", "paper-fp32fwd")
+
+
+# ---------------------------------------------------------------- fabricated outcomes
+
+def _row(layer, verdict, z=None, probes=20):
+    z = z if z is not None else {"leans +": 7.2, "leans -": -7.2, "weak +": 4.0, "weak -": -4.0}.get(verdict, 0.3)
+    return {"layer": layer, "probes": probes, "first_step": 0, "last_step": 50 * (probes - 1),
+            "positive": probes // 2, "stouffer_z": z, "mean_ratio": 0.02 * math.copysign(1, z), "verdict": verdict,
+            "steps": [], "zs": []}
+
+
+def _arm(name, *verdicts, status="done", steps=1000, diverged_at=None):
+    """An outcome: one delta verdict per layer (L0, L1, ...)."""
+    return {"arm": name, "dir": f"/runs/{name}", "overrides": [], "status": status, "steps": steps,
+            "target_steps": 1000, "diverged_at": diverged_at, "divergence": "loss >= 2 x" if diverged_at else None,
+            "last_val": 1.5, "last_val_step": steps - 1, "delta": [_row(l, v) for l, v in enumerate(verdicts)],
+            "O": [], "census": None, "config": None, "metrics_age_s": 1.0,
+            "state": {"partial": f"incomplete at step {steps}", "diverged": f"diverged at step {diverged_at}"}
+            .get(status, "done")}
+
+
+def _verdicts(outcomes) -> dict:
+    return {c["id"]: c["verdict"] for c in judge_claims(outcomes)}
+
+
+def _study_says(**changes):
+    """The study's picture: paper leans + at L0, fp32 and both fixes do not, nothing diverges."""
+    out = {"fp32": _arm("fp32", "no lean", "no lean"), "paper": _arm("paper", "leans +", "no lean"),
+           "paper-fix": _arm("paper-fix", "no lean", "weak +"),
+           "paper-fp32fwd": _arm("paper-fp32fwd", "no lean", "no lean")}
+    out.update(changes)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def test_claims_held_when_paper_leans_and_the_control_and_fixes_do_not():
+    v = _verdicts(_study_says())
+    assert v == {"N1": HELD, "N2": HELD, "N3": HELD, "N4": HELD, "N5": NOT_HELD}  # nothing diverged: N5 not held
+    claims = judge_claims(_study_says())
+    assert "L0 +7.2 leans +" in claims[0]["evidence"] and claims[0]["numbers"]["leans_plus_layers"] == [0]
+    assert all(c["rule"] and c["title"] for c in claims)
+
+
+def test_n1_not_held_without_a_positive_lean_and_then_the_fixes_have_nothing_to_remove():
+    for paper in (_arm("paper", "no lean", "weak +"), _arm("paper", "leans -", "no lean")):
+        v = _verdicts(_study_says(paper=paper))
+        assert (v["N1"], v["N3"], v["N4"]) == (NOT_HELD, INCONCLUSIVE, INCONCLUSIVE)
+        assert "nothing to remove" in judge_claims(_study_says(paper=paper))[2]["evidence"]
+
+
+def test_n2_not_held_when_fp32_leans_either_way_and_weak_is_not_a_lean():
+    assert _verdicts(_study_says(fp32=_arm("fp32", "no lean", "leans -")))["N2"] == NOT_HELD
+    assert _verdicts(_study_says(fp32=_arm("fp32", "leans +", "no lean")))["N2"] == NOT_HELD
+    assert _verdicts(_study_says(fp32=_arm("fp32", "weak -", "weak +")))["N2"] == HELD
+
+
+def test_a_fix_not_held_when_it_still_leans_where_paper_leans_and_a_lean_elsewhere_is_not_judged():
+    v = _verdicts(_study_says(**{"paper-fp32fwd": _arm("paper-fp32fwd", "leans +", "no lean"),
+                                 "paper-fix": _arm("paper-fix", "leans -", "no lean")}))
+    assert (v["N3"], v["N4"]) == (NOT_HELD, NOT_HELD)   # either sign at paper's layer
+    elsewhere = _study_says(**{"paper-fp32fwd": _arm("paper-fp32fwd", "weak +", "leans +")})
+    c = judge_claims(elsewhere)[2]
+    assert c["verdict"] == HELD and "elsewhere (reported, not judged): L1" in c["evidence"]
+    # a fix without a probe series at paper's leaning layer cannot be judged
+    short = _arm("paper-fp32fwd", "no lean")
+    short["delta"] = [_row(1, "no lean")]
+    assert _verdicts(_study_says(**{"paper-fp32fwd": short}))["N3"] == INCONCLUSIVE
+
+
+def test_missing_arms_are_inconclusive_and_say_what_would_decide():
+    outcomes = _study_says(**{"paper-fix": None, "fp32": missing_outcome("fp32", "/nowhere",
+                                                                          ["attention.precision=fp32"])})
+    claims = {c["id"]: c for c in judge_claims(outcomes)}
+    assert (claims["N1"]["verdict"], claims["N3"]["verdict"]) == (HELD, HELD)
+    assert claims["N2"]["verdict"] == INCONCLUSIVE and "--runs fp32=DIR" in claims["N2"]["evidence"]
+    assert "attention.precision=fp32" in claims["N2"]["evidence"]
+    assert claims["N4"]["verdict"] == INCONCLUSIVE and "paper-fix not run" in claims["N4"]["evidence"]
+    v = _verdicts(_study_says(paper=None))
+    assert v == {"N1": INCONCLUSIVE, "N2": HELD, "N3": INCONCLUSIVE, "N4": INCONCLUSIVE, "N5": INCONCLUSIVE}
+    # an arm with no delta probe (probes off) cannot show a lean or its absence
+    unprobed = _arm("fp32")
+    assert _verdicts(_study_says(fp32=unprobed))["N2"] == INCONCLUSIVE
+
+
+def test_n5_divergence_rules():
+    div = _arm("paper", "leans +", status="diverged", steps=400, diverged_at=399)
+    assert _verdicts(_study_says(paper=div))["N5"] == HELD
+    assert _verdicts(_study_says(paper=_arm("paper", "leans +")))["N5"] == NOT_HELD
+    fp32_div = _arm("fp32", "no lean", status="diverged", steps=500, diverged_at=499)
+    fp32_open = _arm("fp32", "no lean", status="partial", steps=500)
+    for changes in ({"fp32": None}, {"fp32": fp32_div}, {"fp32": fp32_open}):   # the control missing, shared, open
+        assert _verdicts(_study_says(paper=div, **changes))["N5"] == INCONCLUSIVE, changes
+    no_lean = _arm("paper", "no lean", status="diverged", steps=400, diverged_at=399)
+    assert _verdicts(_study_says(paper=no_lean))["N5"] == INCONCLUSIVE   # nothing to attribute it to
+    assert _verdicts(_study_says(paper=_arm("paper", "leans +", status="partial", steps=600)))["N5"] == INCONCLUSIVE
+
+
+def test_an_incomplete_arm_is_judged_on_what_it_has_and_says_so():
+    partial = _arm("fp32", "no lean", "no lean", status="partial", steps=677)
+    c = judge_claims(_study_says(fp32=partial))[1]
+    assert c["verdict"] == HELD and "fp32 incomplete: 677 of 1000 steps" in c["evidence"]
+    assert "may change" in c["evidence"]
+
+
+# ---------------------------------------------------------------- fabricated run folders (mode b)
+
+def _write_run(d, delta_l0, *, steps=100, probe_every=10, losses=None):
+    """A metrics.jsonl with a loss every step and, every ``probe_every`` steps, delta and O z per
+    layer: L0's delta z is ``delta_l0`` (its ratio 0.05 of the same sign), L1's alternate +-1."""
+    d.mkdir(parents=True)
+    with open(d / "metrics.jsonl", "w") as f:
+        for s in range(steps):
+            r = {keys.STEP: s, keys.LOSS_TRAIN: (losses or {}).get(s, 3.0 - s / steps)}
+            if s % probe_every == 0:
+                k = s // probe_every
+                r.update({keys.DELTA_ERR_Z.key(0): delta_l0,
+                          keys.DELTA_ERR_RATIO_ROW.key(0): math.copysign(0.05, delta_l0),
+                          keys.DELTA_ERR_Z.key(1): (-1.0) ** k, keys.DELTA_ERR_RATIO_ROW.key(1): 0.01 * (-1.0) ** k,
+                          keys.O_ERR_Z.key(0): 0.5, keys.O_ERR_RATIO_ROW.key(0): 0.001})
+            if s % 50 == 49:
+                r[keys.LOSS_VAL] = 2.5 - s / 1000
+            f.write(json.dumps(r) + "\n")
+    with open(d / "batches.jsonl", "w") as f:
+        for s in range(steps):
+            f.write(json.dumps({"step": s, "indices": [s, s + 1]}) + "\n")
+    return d
+
+
+def test_mode_b_analyses_run_folders_and_trains_nothing(tmp_path, capsys):
+    paper = _write_run(tmp_path / "p", 2.0)        # 10 probes of z +2: Stouffer +6.3, leans +
+    fp32 = _write_run(tmp_path / "f", 0.1)
+    fwd = _write_run(tmp_path / "w", -0.2, steps=60)  # incomplete: 60 of 100 steps
+    out = tmp_path / "out"
+    assert main(["repro", "--experiment", "natural", "--steps", "100", "--runs",
+                 f"paper={paper},fp32={fp32}", f"paper-fp32fwd={fwd},paper-fix={tmp_path / 'absent'}",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "N1  held" in printed and "natural.md" in printed
+    saved = json.loads((out / "natural.json").read_text())
+    assert saved["mode"] == "analyse" and saved["preset"] == "nat512" and not (out / "runs").exists()
+    o = {x["arm"]: x for x in saved["outcomes"]}
+    assert (o["paper"]["status"], o["fp32"]["status"], o["paper-fp32fwd"]["status"], o["paper-fix"]["status"]) == \
+        ("done", "done", "partial", "missing")
+    l0 = o["paper"]["delta"][0]
+    assert (l0["layer"], l0["probes"], l0["positive"], l0["verdict"]) == (0, 10, 10, "leans +")
+    assert l0["stouffer_z"] == pytest.approx(2.0 * 10 / math.sqrt(10))
+    assert o["paper"]["delta"][1]["verdict"] == "no lean" and o["paper"]["O"][0]["verdict"] == "no lean"
+    assert (o["paper"]["last_val"], o["paper"]["last_val_step"]) == (pytest.approx(2.5 - 99 / 1000), 99)
+    assert o["paper"]["steps"] == 100 and o["paper-fp32fwd"]["steps"] == 60 and o["paper"]["census"] is None
+    assert "incomplete: 60 of 100 steps" in o["paper-fp32fwd"]["state"]
+    v = {c["id"]: c for c in saved["claims"]}
+    assert {k: c["verdict"] for k, c in v.items()} == {"N1": HELD, "N2": HELD, "N3": HELD, "N4": INCONCLUSIVE,
+                                                        "N5": NOT_HELD}
+    assert "paper-fp32fwd incomplete: 60 of 100 steps; judged on its probes through step 50" in v["N3"]["evidence"]
+    assert "paper-fix not run" in v["N4"]["evidence"]
+    assert saved["matching"]["batches"]["paper"] == {"compared": 100, "first_mismatch": None}
+    assert saved["versions"]["flashguard"]
+    md = (out / "natural.md").read_text()
+    assert "| N1: a delta lean of the study's sign" in md and "**held**" in md
+    assert "L0 +6.3 leans + (10/10 probes +)" in md and "| paper-fix (`attention.precision=paper " in md
+    assert "incomplete (running or stopped at step 59)" in md and "flashguard " in md.splitlines()[-1]
+
+
+def test_mode_b_divergence_by_the_one_rule(tmp_path):
+    # the loss doubles its running minimum at step 80: diverged there (no config: factor 2, no warm-up)
+    paper = _write_run(tmp_path / "p", 2.0, losses={s: 9.0 for s in range(80, 100)})
+    fp32 = _write_run(tmp_path / "f", 0.0)
+    result = run_natural(get_natural_preset("nat512"), tmp_path / "out", steps=100,
+                         runs={"paper": paper, "fp32": fp32}, log=lambda m: None)
+    o = {x["arm"]: x for x in result["outcomes"]}
+    assert (o["paper"]["status"], o["paper"]["diverged_at"]) == ("diverged", 80)
+    c = {x["id"]: x for x in result["claims"]}
+    assert c["N5"]["verdict"] == HELD and "paper diverged at step 80" in c["N5"]["evidence"]
+    assert (c["N3"]["verdict"], c["N4"]["verdict"]) == (INCONCLUSIVE, INCONCLUSIVE)   # both fixes not run
+
+
+def test_parse_runs():
+    preset = get_natural_preset("nat512")
+    assert parse_runs(["paper=/a,fp32=/b", "paper-fix=/c"], preset) == {"paper": Path("/a"), "fp32": Path("/b"),
+                                                                       "paper-fix": Path("/c")}
+    for bad, msg in ((["paper"], "not ARM=DIR"), (["nope=/a"], "unknown arm 'nope'"), (["paper=/a,paper=/b"], "twice"),
+                     ([","], "no ARM=DIR")):
+        with pytest.raises(ValueError, match=msg):
+            parse_runs(bad, preset)
+
+
+def test_presets_and_their_arm_configs():
+    assert set(NATURAL_PRESETS) >= {"nat512", "natural-smoke"}
+    nat = NATURAL_PRESETS["nat512"]
+    assert [a.name for a in nat.arms] == ["fp32", "paper", "paper-fix", "paper-fp32fwd"] and nat.steps == 1000
+    want = {"fp32": ("fp32", "none"), "paper": ("paper", "none"), "paper-fix": ("paper", "paper"),
+            "paper-fp32fwd": ("paper-fp32fwd", "none")}
+    for preset in NATURAL_PRESETS.values():
+        common = common_overrides(preset, False)
+        for a in preset.arms:
+            cfg = load_config(preset.config_path(), [*common, *a.overrides, f"train.steps={preset.steps}"])
+            assert (cfg.attention.spec.precision, cfg.attention.spec.stabilizer) == want[a.name]
+            assert cfg.train.divergence_factor == 2 and cfg.train.diagnostics_every == preset.diagnostics_every
+            assert cfg.attention.spec.backend == "flash"   # the probes write numerics/delta_err_z only on flash layers
+    cfg = load_config(nat.config_path(), [*common_overrides(nat, False), "train.steps=1000"])
+    assert (cfg.model.preset, cfg.train.seed, cfg.data.doc_starts, cfg.train.diagnostics_every) == \
+        ("tiny-cpu-512", 1337, True, 50)
+
+
+# ---------------------------------------------------------------- a smoke run (mode a)
+
+def test_smoke_run_trains_every_arm_resumable_then_analyses_them(tiny_data, tmp_path, monkeypatch, capsys):
+    preset = get_natural_preset("natural-smoke")
+    out = tmp_path / "nat"
+    data = [f'data.dir="{tiny_data}"']
+    crash_at(monkeypatch, 8)   # the first arm is interrupted after its step-6 checkpoint
+    with pytest.raises(KeyboardInterrupt):
+        run_natural(preset, out, overrides=data, progress=False, log=lambda m: None)
+    monkeypatch.undo()
+    assert (out / "runs" / "fp32" / "checkpoints").is_dir()
+    result = run_natural(preset, out, overrides=data, progress=False, log=lambda m: None)
+    saved = json.loads((out / "natural.json").read_text())
+    assert saved["mode"] == "train" and [a["dir"] for a in saved["arms"]] == [f"runs/{a}" for a in ARMS]
+    assert all(o["status"] in ("done", "diverged") for o in saved["outcomes"])
+    for o in saved["outcomes"]:   # every arm probed: delta and O across probes on both micro layers
+        assert [r["layer"] for r in o["delta"]] == [0, 1] and [r["layer"] for r in o["O"]] == [0, 1]
+        assert o["delta"][0]["probes"] == 6 and o["census"].startswith("preconditions census at step 10")
+    assert [c["id"] for c in saved["claims"]] == ["N1", "N2", "N3", "N4", "N5"]
+    assert [c["verdict"] for c in saved["claims"]] == [c["verdict"] for c in result["claims"]]
+    assert all(b["first_mismatch"] is None and b["compared"] == 12 for b in saved["matching"]["batches"].values())
+    batches = [JsonlLog.read(out / "runs" / a / "batches.jsonl") for a in ARMS]
+    assert all(b == batches[0] for b in batches)   # matched: the resumed arm included
+    cfg = load_config(out / "runs" / "paper-fix" / "config.toml")
+    assert (cfg.attention.spec.precision, cfg.attention.spec.stabilizer, cfg.train.steps) == ("paper", "paper", 12)
+    # a rerun (through the CLI) trains nothing
+    before = {a: (out / "runs" / a / "metrics.jsonl").stat().st_mtime_ns for a in ARMS}
+    capsys.readouterr()
+    assert main(["repro", "--experiment", "natural", "--preset", "natural-smoke", "--out", str(out), *data]) == 0
+    assert "N1  " in capsys.readouterr().out
+    assert before == {a: (out / "runs" / a / "metrics.jsonl").stat().st_mtime_ns for a in ARMS}
+    # mode (b) on the same folders gives the same outcomes
+    again = run_natural(preset, tmp_path / "b", runs={a: out / "runs" / a for a in ARMS}, log=lambda m: None)
+    strip = lambda o: {k: v for k, v in o.items() if k not in ("metrics_age_s", "state")}  # noqa: E731
+    assert [strip(o) for o in again["outcomes"]] == [strip(o) for o in result["outcomes"]]
+    assert again["claims"] == result["claims"]
+    # a swapped folder is refused: its config is another arm's arithmetic
+    with pytest.raises(ValueError, match="paper=.* has attention.precision=fp32"):
+        run_natural(preset, tmp_path / "c", runs={"paper": out / "runs" / "fp32"}, log=lambda m: None)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--preset", "micro"], "no natural-preconditions arms for preset 'micro'"),
+    (["--seeds", "1"], "--seeds: not for --experiment natural"),
+    (["--claims", "C1"], "--claims: not for --experiment natural"),
+    (["--remedies"], "--remedies: not for --experiment natural"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["attention.precision=fp32"], "set by the natural experiment's arms"),
+    (["train.steps=5"], "set by the natural experiment's arms"),
+    (["--runs", "paper"], "not ARM=DIR"),
+    (["model.n_layer=2", "--runs", "paper=/x"], "--runs analyses finished folders and trains nothing"),
+    (["--runs", "paper=/x", "model.n_layer=2"], "--runs: unknown arm 'model.n_layer'"),  # --runs takes the rest
+    (["attention.block_q=0"], "attention.block_q"),   # any bad override: refused before anything trains
+])
+def test_bad_natural_arguments_name_the_problem(tiny_data, tmp_path, capsys, args, msg):
+    code = main(["repro", "--experiment", "natural", "--preset", "natural-smoke", "--out", str(tmp_path / "x"),
+                 *([] if "--runs" in args else [f'data.dir="{tiny_data}"']), *args]
+                if "--preset" not in args else ["repro", "--experiment", "natural", "--out", str(tmp_path / "x"),
+                                                *args])
+    assert code == 2
+    assert msg in capsys.readouterr().err
+    assert not (tmp_path / "x" / "runs").exists()
