@@ -250,3 +250,45 @@ def test_injection_blocks_say_what_the_verdict_supports(verdict, says):
     assert "`zero-mean-a100` trained on (final loss 2.1" in text
     assert f"I1 A coherent delta error explodes where a zero-mean one does not: {verdict} (measured)" in text
     assert says in text and "9.3x below the boundary" in text
+
+
+def _natural(n1, n3, n4, n5):
+    claims = [{"id": cid, "title": f"claim {cid}", "verdict": v, "evidence": f"evidence {cid}"}
+              for cid, v in (("N1", n1), ("N2", "held"), ("N3", n3), ("N4", n4), ("N5", n5))]
+    return {"preset": "nat512", "steps": 1000, "arms": {"fp32": {}, "paper": {}, "paper-fix": {}, "paper-fp32fwd": {}},
+            "claims": claims}
+
+
+@pytest.mark.parametrize("verdicts, says, not_says", [
+    (("held", "held", "not held", "not held"), ["the lab's fix removes it", "the study's fix does not",
+                                                "did not make the run diverge"], ["decided nothing"]),
+    (("held", "held", "held", "held"), ["the lab's fix and the study's fix remove it", "it made the run diverge"],
+     ["does not"]),
+    (("not held", "inconclusive", "inconclusive", "not held"), ["no delta lean arose"], ["removes it"]),
+    (("inconclusive", "inconclusive", "inconclusive", "inconclusive"), ["decided nothing yet"], ["removes it"]),
+])
+def test_natural_blocks_say_what_the_verdicts_support(verdicts, says, not_says):
+    from flashguard.experiments.report.summary_text import natural_blocks, render_text
+    text = " ".join(render_text(natural_blocks(_natural(*verdicts))).split())
+    assert "measured apart (`flashguard repro --experiment natural`, preset nat512: 1000 steps an arm" in text
+    assert f"N1 claim N1: {verdicts[0]} (evidence N1)" in text
+    for s in says:
+        assert s in text
+    for s in not_says:
+        assert s not in text
+
+
+def test_the_demo_shows_the_natural_result_where_it_is_and_says_where_it_is_not(tmp_path):
+    import json
+
+    from flashguard.experiments.demo import _natural_result
+    said = []
+    assert _natural_result(tmp_path / "out", tmp_path / "missing.json", said.append) is None
+    assert "not found" in said[-1] and "--experiment natural" in said[-1]
+    src = tmp_path / "natural.json"
+    src.write_text(json.dumps(_natural("held", "held", "not held", "not held")))
+    got = _natural_result(tmp_path / "out", src, said.append)
+    assert got["claims"][0]["verdict"] == "held"
+    assert json.loads((tmp_path / "out" / "natural" / "natural.json").read_text()) == got
+    (tmp_path / "bad.json").write_text("{")
+    assert _natural_result(tmp_path / "out2", tmp_path / "bad.json", said.append) is None and "not valid JSON" in said[-1]

@@ -10,7 +10,9 @@
    micro model with the arithmetic's own delta error, with that error leaning (sign + with
    probability 0.75) at its own size, and with it zero-mean at 100x its size, on the same batches
    (claim I1: does the sign structure, not the size, explode a run?);
-5. writes the report (report.md, self-contained report.html) and prints where it is.
+5. writes the report (report.md, self-contained report.html) and prints where it is, with the
+   natural runs' verdicts (docs/natural/natural.json, measured apart: 40 minutes an arm) when it
+   runs where that file is (``natural=``: another natural.json).
 
 The console starts with what will run and why no explosion is expected, and ends with the
 same plain-language summary report.md and report.html begin with (report/summary_text.py):
@@ -35,7 +37,8 @@ DEMO_CLAIMS = ("C1", "C5", "C6", "C8")
 
 
 def run_demo(out: str | Path = "demo", *, data_dir: str | Path = "data/embedded", steps: int | None = None,
-             keep_checkpoints: bool = False, progress: bool = True, log=print) -> dict:
+             keep_checkpoints: bool = False, progress: bool = True, log=print,
+             natural: str | Path | None = None) -> dict:
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
         raise ValueError(f"--steps must be an integer >= 1 (steps per training run), got {steps!r}")
     from ..data import prepare_embedded
@@ -69,6 +72,7 @@ def run_demo(out: str | Path = "demo", *, data_dir: str | Path = "data/embedded"
     # seed 1: one of the five seeds the micro-grid measured (the leaning arm diverged at all five)
     injection = run_injection(get_injection_preset("micro-demo"), out / "injection", steps=steps, seeds=[1],
                               overrides=[f'data.dir="{data_dir}"'], progress=False, log=lambda m: log(f"  {m}"))
+    natural = _natural_result(out, Path(natural) if natural is not None else None, log)
     log("[5/5] report")
     paths = write_report([out], out / "report")
     if not keep_checkpoints:
@@ -79,10 +83,33 @@ def run_demo(out: str | Path = "demo", *, data_dir: str | Path = "data/embedded"
     for c in result["claims"]:
         log(f"  {c['id']}  {c['verdict']:<12}  {c['evidence']}")
     log("")
-    log(render_text(summary_from_repro(result, lab, out, injection)).rstrip())
+    log(render_text(summary_from_repro(result, lab, out, injection, natural)).rstrip())
     log("")
     log(f"demo done in {time.perf_counter() - t0:.0f} s; report: {paths['html'].resolve()}")
     return {"repro": result, "injection": injection, "report": paths}
+
+
+# the natural runs take about 40 minutes an arm on one core, far beyond a demo: it shows the result
+# measured and committed in the repository (docs/natural/), when it runs where that is
+NATURAL_RESULT = Path("docs/natural/natural.json")
+
+
+def _natural_result(out: Path, path: Path | None, log) -> dict | None:
+    """The natural runs' result (natural.json) copied into OUT/natural/ for the report, or None."""
+    path = NATURAL_RESULT if path is None else path
+    if not path.is_file():
+        log(f"  natural runs: {path} not found (they are measured apart: flashguard repro --experiment natural)")
+        return None
+    try:
+        natural = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        log(f"  natural runs: {path} is not valid JSON ({e}); left out")
+        return None
+    from ..utils.atomic import atomic_write_text
+    (out / "natural").mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "natural" / "natural.json", json.dumps(natural, indent=1) + "\n")
+    log(f"  natural runs: measured apart, read from {path}")
+    return natural
 
 
 def _drop_checkpoints(out: Path, result: dict) -> int:

@@ -48,6 +48,7 @@ class Study:
     remedies: list[dict] = field(default_factory=list)
     lab: Lab | None = None
     injection: dict | None = None   # injection.json of the repro's injection/ folder (the demo's causal comparison)
+    natural: dict | None = None     # natural.json of the repro's natural/ folder (the natural runs, measured apart)
     notes: list[str] = field(default_factory=list)  # one line each: what was absent and so left out
 
 
@@ -139,6 +140,12 @@ def _load_repro(d: Path, study: Study) -> None:
             study.injection = json.loads(inj.read_text())
         except json.JSONDecodeError as e:
             study.notes.append(f"injection: {inj} is not valid JSON ({e}); the injection section is left out")
+    nat = d / "natural" / "natural.json"
+    if nat.is_file():
+        try:
+            study.natural = json.loads(nat.read_text())
+        except json.JSONDecodeError as e:
+            study.notes.append(f"natural: {nat} is not valid JSON ({e}); the natural runs' verdicts are left out")
 
 
 def _distinct(values) -> str | None:

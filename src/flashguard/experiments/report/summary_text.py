@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["Advice", "advice_from_lab", "fix_arguments", "recipe_pytorch", "recipe_hf", "build_summary",
-           "injection_blocks",
+           "injection_blocks", "natural_blocks",
            "summary_from_repro", "summary_from_study", "render_text", "intro_text", "STUDY_SCALE"]
 
 # what each lab arithmetic is, so that a reader can tell which one their training uses
@@ -155,6 +155,7 @@ class _Inputs:
     tokens_per_step: int | None = None
     lab: dict | None = None
     injection: dict | None = None         # injection.json: the causal comparison (experiments/injection)
+    natural: dict | None = None           # natural.json: the natural runs (experiments/natural), measured apart
 
 
 def _verdict_list(items: list[tuple[str, str]]) -> str:
@@ -212,6 +213,8 @@ def build_summary(inp: _Inputs) -> list[tuple]:
             blocks.append(("p", text))
     if inp.injection is not None:
         blocks += injection_blocks(inp.injection)
+    if inp.natural is not None:
+        blocks += natural_blocks(inp.natural)
     # what to use: from the lab's measured answers only
     if lab is not None:
         advice = advice_from_lab(lab)
@@ -308,6 +311,39 @@ def injection_blocks(result: dict) -> list[tuple]:
     return blocks
 
 
+def natural_blocks(result: dict) -> list[tuple]:
+    """The natural runs' verdicts (experiments/natural's natural.json) and what they say, read from
+    the result; where they were measured, since the demo shows a result it did not train."""
+    claims = {c.get("id"): c for c in result.get("claims") or []}
+    arms = ", ".join(f"`{a}`" for a in (result.get("arms") or {}))
+    blocks: list[tuple] = [("p", f"The natural half, measured apart (`flashguard repro --experiment natural`, preset "
+                                 f"{result.get('preset', '?')}: {result.get('steps', '?')} steps an arm, arms {arms}, "
+                                 "the same seed and batches; docs/natural/): does the lean arise in real training, "
+                                 "and does a fix remove it?")]
+    blocks.append(("list", [f"{cid} {c.get('title', '')}: {c.get('verdict')} ({c.get('evidence')})"
+                            for cid, c in claims.items()]))
+    v = {cid: c.get("verdict") for cid, c in claims.items()}
+    if v.get("N1") == "held":
+        text = "What to conclude: in real training the reference arithmetic's delta error leans the study's way"
+        fixed = [name for cid, name in (("N3", "the lab's fix"), ("N4", "the study's fix")) if v.get(cid) == "held"]
+        failed = [name for cid, name in (("N3", "the lab's fix"), ("N4", "the study's fix")) if v.get(cid) == "not held"]
+        if fixed:
+            text += f"; {' and '.join(fixed)} remove{'s' if len(fixed) == 1 else ''} it"
+        if failed:
+            text += f"; {' and '.join(failed)} do{'es' if len(failed) == 1 else ''} not"
+        text += ({"held": "; and it made the run diverge.",
+                  "not held": ", but it did not make the run diverge at this length: a lean to watch "
+                              "(`flashguard diagnose --census`) and to remove, not yet an explosion."}
+                 .get(v.get("N5"), "; whether it makes a run diverge is not decided here."))
+    elif v.get("N1") == "not held":
+        text = ("What to conclude: no delta lean arose in these runs, so at this scale the natural half of the "
+                "chain did not start.")
+    else:
+        text = "What to conclude: the natural runs decided nothing yet (see the evidence)."
+    blocks.append(("p", text))
+    return blocks
+
+
 def _model_from_run_dir(run_dir: Path) -> tuple[str | None, int | None]:
     """("the tiny-cpu model (4 layers, width 256, 3.3 M weights)", tokens a step) from a run's
     config.toml, or (None, None) when it is absent or unreadable (the summary does without)."""
@@ -329,9 +365,10 @@ def _command(preset) -> str:
         else "flashguard"
 
 
-def summary_from_repro(repro: dict, lab: dict | None, out: Path | str, injection: dict | None = None) -> list[tuple]:
+def summary_from_repro(repro: dict, lab: dict | None, out: Path | str, injection: dict | None = None,
+                       natural: dict | None = None) -> list[tuple]:
     """The summary of a repro result (``run_repro``'s dict, repro.json), its lab result and (the
-    demo) its injection result."""
+    demo) its injection result and the natural runs' result."""
     runs = [_Run(r.get("name", "?"), r.get("title", ""), r.get("summary") or {}) for r in repro.get("runs") or []]
     model, tps = (None, None)
     for r in repro.get("runs") or []:
@@ -339,7 +376,7 @@ def summary_from_repro(repro: dict, lab: dict | None, out: Path | str, injection
         if model:
             break
     return build_summary(_Inputs(_command(repro.get("preset")), runs, list(repro.get("claims") or []),
-                                 repro.get("steps"), model, tps, lab, injection))
+                                 repro.get("steps"), model, tps, lab, injection, natural))
 
 
 def summary_from_study(study) -> list[tuple]:
@@ -356,7 +393,8 @@ def summary_from_study(study) -> list[tuple]:
     command = _command(study.meta.get("preset")) if study.kind == "repro" else \
         "`flashguard train`" if study.kind == "runs" else "`flashguard lab`"
     return build_summary(_Inputs(command, runs, list(study.claims), steps, model, tps,
-                                 study.lab.result if study.lab is not None else None, study.injection))
+                                 study.lab.result if study.lab is not None else None, study.injection,
+                                 study.natural))
 
 
 def intro_text(steps: int, model: str = "the tiny-cpu model") -> str:
