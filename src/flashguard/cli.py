@@ -55,7 +55,7 @@ def _add_lab(sub, values: str) -> None:
                                          "it, where the bias enters, FlashAttention PR #2721. Writes lab.json, "
                                          "lab.md and figures."),
                        epilog="Valid values:\n" + values)
-    p.add_argument("--quick", action="store_true", help="fewer conditions and instances (about 2 minutes on one core)")
+    p.add_argument("--quick", action="store_true", help="fewer conditions and instances (35 s on one core)")
     p.add_argument("--out", default=None, help="output folder for lab.json, lab.md and figures (default: lab for "
                                                "the default precision, lab-PRECISION for another, so that one "
                                                "precision's results never overwrite another's)")
