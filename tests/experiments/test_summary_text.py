@@ -255,7 +255,8 @@ def test_injection_blocks_say_what_the_verdict_supports(verdict, says):
 def _natural(n1, n3, n4, n5):
     claims = [{"id": cid, "title": f"claim {cid}", "verdict": v, "evidence": f"evidence {cid}"}
               for cid, v in (("N1", n1), ("N2", "held"), ("N3", n3), ("N4", n4), ("N5", n5))]
-    return {"preset": "nat512", "steps": 1000, "arms": {"fp32": {}, "paper": {}, "paper-fix": {}, "paper-fp32fwd": {}},
+    return {"preset": "nat512", "steps": 1000, "arms": [{"name": n, "label": n, "overrides": [], "dir": f"/r/{n}"}
+                                                        for n in ("fp32", "paper", "paper-fix", "paper-fp32fwd")],
             "claims": claims}
 
 
@@ -270,7 +271,8 @@ def _natural(n1, n3, n4, n5):
 def test_natural_blocks_say_what_the_verdicts_support(verdicts, says, not_says):
     from flashguard.experiments.report.summary_text import natural_blocks, render_text
     text = " ".join(render_text(natural_blocks(_natural(*verdicts))).split())
-    assert "measured apart (`flashguard repro --experiment natural`, preset nat512: 1000 steps an arm" in text
+    assert ("measured apart (`flashguard repro --experiment natural`, preset nat512: 1000 steps an arm, arms `fp32`, "
+            "`paper`, `paper-fix`, `paper-fp32fwd`, the same seed") in text
     assert f"N1 claim N1: {verdicts[0]} (evidence N1)" in text
     for s in says:
         assert s in text
