@@ -149,8 +149,9 @@ def _figures(result: dict, out: Path) -> list[Path]:
     small_tail = lambda p: p["tail"] == 0.25 and not p["sink"] and not p["offset"] and p["v_mean"] < 0  # noqa: E731
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=False)
     for ax, pol in zip(axes, ("paper", "fa2")):
+        family = fix_family(pol)
         labels = [a for a in dict.fromkeys(r["arithmetic"] for r in rows)
-                  if a.split(" /")[0].split("[")[0] in fix_family(pol)
+                  if a.split(" /")[0].split("[")[0] in family
                   and "beta=7" not in a]
         for a in labels:
             xs, ys = z_of(a, small_tail)

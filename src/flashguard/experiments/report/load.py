@@ -134,18 +134,21 @@ def _load_repro(d: Path, study: Study) -> None:
         study.lab = _load_lab(lab_dir)
     elif repro.get("lab"):
         study.notes.append(f"lab: {lab_dir} has no lab.json (the lab section is left out)")
-    inj = d / "injection" / "injection.json"
-    if inj.is_file():
-        try:
-            study.injection = json.loads(inj.read_text())
-        except json.JSONDecodeError as e:
-            study.notes.append(f"injection: {inj} is not valid JSON ({e}); the injection section is left out")
-    nat = d / "natural" / "natural.json"
-    if nat.is_file():
-        try:
-            study.natural = json.loads(nat.read_text())
-        except json.JSONDecodeError as e:
-            study.notes.append(f"natural: {nat} is not valid JSON ({e}); the natural runs' verdicts are left out")
+    study.injection = _optional_json(study, d / "injection" / "injection.json", "injection",
+                                     "the injection section is left out")
+    study.natural = _optional_json(study, d / "natural" / "natural.json", "natural",
+                                   "the natural runs' verdicts are left out")
+
+
+def _optional_json(study: Study, path: Path, what: str, left_out: str) -> dict | None:
+    """A result file the study may hold: its JSON, or None when absent or unreadable (with a note)."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        study.notes.append(f"{what}: {path} is not valid JSON ({e}); {left_out}")
+        return None
 
 
 def _distinct(values) -> str | None:
