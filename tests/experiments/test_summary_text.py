@@ -51,6 +51,8 @@ def test_a_biased_arithmetic_gets_a_recipe_naming_the_measured_fix():
     assert 'use precision="paper", stabilizer="paper:beta=7,tol=0.001"' in text
     assert 'flashguard.override_sdpa(precision="paper", stabilizer="paper:beta=7,tol=0.001")' in text
     assert 'attn_implementation="sdpa"' in text            # the Hugging Face recipe
+    from flashguard.integrations.hf import DEFAULT_NAME      # and its registry name, one transformers 5 accepts
+    assert f'attn_implementation="{DEFAULT_NAME}"' in text and "flash" not in DEFAULT_NAME
     assert text.count("override_sdpa(") == 2                # plain PyTorch and Hugging Face
     assert "removed by: paper / paper(beta=7,tol=0.001)" in text   # the lab's own verdict, quoted
     # a remover the recipe cannot name (a kernel label) is skipped for the next one, never replaced by a guess

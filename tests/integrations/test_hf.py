@@ -11,8 +11,10 @@ an error of 0, and a ratio against 0 measures nothing).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,6 +278,63 @@ def test_register_backend_is_the_deprecated_name_of_kernel():
     with pytest.raises(ValueError, match="unknown kernel 'cuda'"):
         hf.register(name="fg-test-bad", kernel="cuda")
     assert "fg-test-bad" not in transformers.AttentionInterface()
+
+
+def test_default_name_is_one_transformers_looks_up():
+    # transformers 5 reads any attn_implementation containing "flash" as a hub kernel request, so
+    # the default name has none and a model built with it runs flashguard (the override path's logits)
+    assert "flash" not in hf.DEFAULT_NAME
+    state, x = _weights("gpt2"), _tokens()
+    assert hf.register(precision="paper") == hf.DEFAULT_NAME
+    model = _model("gpt2", hf.DEFAULT_NAME, torch.bfloat16, state)
+    assert model.config._attn_implementation == hf.DEFAULT_NAME
+    with torch.no_grad():
+        got = model(x).logits
+        with flashguard.override_sdpa(precision="paper"):
+            assert torch.equal(got, _model("gpt2", "sdpa", torch.bfloat16, state)(x).logits)
+
+
+@pytest.mark.parametrize("name", ["flashguard", "flashguard-fp32", "my_flash"])
+def test_a_name_with_flash_is_refused_before_registering(name):
+    with pytest.raises(ValueError, match=r"contains 'flash'.*hub.*e\.g\. '(?!.*flash)[^']+'") as err:
+        hf.register(precision="fp32", name=name)
+    assert hf.DEFAULT_NAME in str(err.value)
+    assert name not in transformers.AttentionInterface()
+
+
+def _readme_hf_recipe() -> str:
+    """The README's Hugging Face code block: the first python fence under '## Hugging Face models'."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("\n## Hugging Face models\n", 1)[1].split("\n## ", 1)[0]
+    (block, *_) = re.findall(r"^```python\n(.*?)^```$", section, flags=re.S | re.M)
+    return block
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_readme_hugging_face_recipe_runs_as_written(arch, tmp_path, monkeypatch):
+    # the README's block, unchanged, on a small random model saved to disk (its `path`) and a
+    # batch with labels (its `batch`); both of its ways in must reach flashguard's SDPA
+    code = _readme_hf_recipe()
+    assert "attn_implementation=" in code and "register(" in code
+    state, x = _weights(arch), _tokens()
+    _model(arch, "sdpa", torch.float32, state).save_pretrained(tmp_path)
+    calls = []
+    original = fg_function.scaled_dot_product_attention
+    monkeypatch.setattr(fg_function, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    ns = {"path": str(tmp_path), "batch": {"input_ids": x, "labels": x}}
+    exec(compile(code, "README.md (Hugging Face models)", "exec"), ns)   # noqa: S102
+    assert torch.isfinite(ns["loss"]) and len(calls) == 2      # way 2: one call per layer
+    # way 1 alone: the model it loads runs flashguard with the registered options
+    way1 = code.split("\n# 2.")[0]
+    ns1 = {"path": str(tmp_path)}
+    exec(compile(way1, "README.md (Hugging Face models, way 1)", "exec"), ns1)  # noqa: S102
+    assert "flash" not in ns1["model"].config._attn_implementation
+    with torch.no_grad():
+        got = ns1["model"](x).logits
+        assert len(calls) == 4
+        with flashguard.override_sdpa(precision="paper"):
+            assert torch.equal(got, AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")(x).logits)
 
 
 def test_unsupported_features_are_refused():

@@ -1,8 +1,8 @@
 """flashguard as a Hugging Face transformers attention implementation.
 
     import flashguard.integrations.hf as fg_hf
-    fg_hf.register(precision="paper", stabilizer="none")            # name "flashguard"
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="flashguard")
+    name = fg_hf.register(precision="paper", stabilizer="none")     # name "fguard"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name)
 
 ``register`` puts an attention function into transformers' ``AttentionInterface`` (the registry
 every model written in its functional style looks its attention up in, at each call, by the name
@@ -15,6 +15,11 @@ Per-model arithmetic is per name: register each set of options under its own nam
 name as ``attn_implementation`` (or switch a loaded model with
 ``model.set_attn_implementation(name)``). There is no other way to set options (no config
 attribute), so what a model computes is named by the one string transformers already records.
+
+A name must not contain "flash": transformers 5 takes any ``attn_implementation`` containing
+"flash" for a flash-attention kernel to load from the Hugging Face hub (``ValueError: Could not
+find the currently requested flash attention implementation``), whatever is registered under it.
+Hence the default name ``fguard``, and ``register`` refuses such a name at once.
 
 The other way in needs no registration: a model loaded with ``attn_implementation="sdpa"``
 calls ``torch.nn.functional.scaled_dot_product_attention``, which ``flashguard.override_sdpa``
@@ -35,7 +40,8 @@ from ..numerics.policy import get_policy
 
 __all__ = ["register", "attention_forward", "DEFAULT_NAME", "OPTIONS"]
 
-DEFAULT_NAME = "flashguard"
+# no "flash" in it: transformers 5 reads any attn_implementation containing "flash" as a hub kernel
+DEFAULT_NAME = "fguard"
 
 # the options a registration binds: flash_attention's arithmetic and implementation choices.
 # softcap is not one of them: it is a property of the model (Gemma 2's attn_logit_softcapping),
@@ -96,8 +102,22 @@ def _check_options(options):
         _function._check_block(name, options.get(name))
 
 
+def _check_name(name: str) -> None:
+    """Refuse a name transformers would not look up in its registry (see the module docstring)."""
+    if "flash" in name:
+        suggestion = name.replace("flash", "f") if len(name.replace("flash", "f").strip("-_")) > 1 else DEFAULT_NAME
+        raise ValueError(
+            f"attn_implementation name {name!r} contains 'flash': transformers (5.x) treats any such name as a "
+            f"request for a flash-attention kernel from the Hugging Face hub and never calls the function "
+            f"registered under it; choose a name without 'flash', e.g. {suggestion!r} (the default is "
+            f"{DEFAULT_NAME!r})")
+
+
 def register(precision="fa2", stabilizer="none", *, name: str = DEFAULT_NAME, **options) -> str:
     """Register flashguard attention with these options under ``name`` in transformers; returns ``name``.
+
+    ``name`` (default ``"fguard"``) must not contain "flash" (ValueError): transformers 5 would
+    take it for a hub flash-attention kernel and never call this registration.
 
     ``precision`` (a preset name or PrecisionPolicy), ``stabilizer`` (a name or Stabilizer) and
     ``options`` (block_q, block_k, kernel; ``backend``, the old name of ``kernel``, is accepted
@@ -108,6 +128,7 @@ def register(precision="fa2", stabilizer="none", *, name: str = DEFAULT_NAME, **
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty string, got {name!r}")
+    _check_name(name)
     options = _renamed_options("register()", options, stacklevel=2)
     options = {"precision": precision, "stabilizer": stabilizer, **options}
     _check_options(options)

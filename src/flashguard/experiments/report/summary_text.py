@@ -240,8 +240,9 @@ def build_summary(inp: _Inputs) -> list[tuple]:
                 blocks.append(("code", recipe_pytorch(prec, stab)))
                 hf = "A Hugging Face model, through its sdpa attention"
                 if _hf_registry():
+                    from ...integrations.hf import DEFAULT_NAME   # the name register() uses by default
                     hf += (f" (or `flashguard.integrations.hf.register(precision=\"{prec}\", stabilizer="
-                           f"\"{stab}\")`, then attn_implementation=\"flashguard\")")
+                           f"\"{stab}\")`, then attn_implementation=\"{DEFAULT_NAME}\")")
                 blocks.append(("p", hf + ":"))
                 blocks.append(("code", recipe_hf(prec, stab)))
             if not fixes and not any(a.biased for a in advice):
