@@ -24,19 +24,29 @@ def _values() -> str:
     from .attention.stabilizers import STABILIZERS
     from .experiments.repro.presets import PRESETS
     from .numerics.policy import POLICIES
-    from .train.shipped import shipped_configs
+    from .train.shipped import config_precision, shipped_configs
+    trains = {name: config_precision(path) for name, path in shipped_configs().items()}
+    paper = ("; paper is the study's reference bf16 arithmetic, which leans under tied maxima: chosen on "
+             "purpose, to show the mechanism; add attention.precision=fa2 to train in production flash "
+             "attention's arithmetic" if "paper" in trains.values() else "")
     return _wrap(f"precision policies (attention.precision, lab --precision): {', '.join(POLICIES)}, "
             f"or one with changed fields as 'paper[pv=fp32]';\n"
             f"stabilizers (attention.stabilizer): {', '.join(STABILIZERS)}, with options as 'paper:beta=7,tol=1e-3';\n"
-            f"shipped configs (flashguard train NAME): {', '.join(shipped_configs())};\n"
+            f"shipped configs (flashguard train NAME), with the attention.precision each trains: "
+            f"{', '.join(f'{n} ({p})' for n, p in trains.items())}{paper};\n"
             f"repro presets (repro --preset): {', '.join(PRESETS)}.", hang="  ")
 
 
 def _add_train(sub, values: str) -> None:
     p = sub.add_parser("train", help="train a GPT-2 (single process, or under torchrun)",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Train with a TOML config; key=value arguments override it "
-                                   "(e.g. train.steps=200 attention.precision=fa2 attention.layers.1.precision=fp32).",
+                       description=_wrap("Train with a TOML config; key=value arguments override it "
+                                         "(e.g. train.steps=200 attention.precision=fa2 "
+                                         "attention.layers.1.precision=fp32). Below, the attention.precision "
+                                         "each shipped config trains: paper, the study's reference bf16 "
+                                         "arithmetic, is there on purpose, to show the mechanism; "
+                                         "attention.precision=fa2 trains in production flash attention's "
+                                         "arithmetic."),
                        epilog="Valid values:\n" + values)
     p.add_argument("config", help="a shipped config's name (e.g. tiny-cpu) or a TOML file; then any number of "
                                   "dotted key=value overrides")
@@ -104,6 +114,33 @@ def _lab(args) -> int:
         print(f"{pol} (captured): {answer['line']}")
     print(f"{len(result['rows'])} measurements in {result['runtime_s']:.0f} s; tables in {paths['md']}")
     return 0
+
+
+def _config_option_error(argv: list[str], parser: argparse.ArgumentParser) -> str | None:
+    """For ``train`` and ``repro``: the error for a ``--key value`` (or ``--key=value``) that is not
+    one of the command's options but names a training-config key, naming the ``key=value`` override
+    to write instead (``--steps 10`` -> ``train.steps=10``); None when there is none."""
+    known = parser._option_string_actions   # argparse also accepts unambiguous prefixes of these
+    keys = None
+    for i, token in enumerate(argv):
+        if not token.startswith("--") or token == "--":
+            continue
+        option, eq, value = token.partition("=")
+        if any(k.startswith(option) for k in known):
+            continue
+        if not eq:
+            follows = argv[i + 1] if i + 1 < len(argv) else ""
+            value = follows if follows and not follows.startswith("-") else "VALUE"
+        if keys is None:
+            from .train.config import RunConfig, config_to_dict
+            keys = [f"{section}.{key}" for section, table in config_to_dict(RunConfig()).items()
+                    for key in table if key != "layers"]
+        name = option[2:].replace("-", "_")
+        found = [k for k in keys if name in (k, k.split(".", 1)[1])]
+        if found:
+            fix = " or ".join(f"{k}={value}" for k in found)
+            return f"unknown option {option}: set {fix} (a config key is set by a key=value argument, not an option)"
+    return None
 
 
 def _train(args) -> int:
@@ -177,11 +214,17 @@ def main(argv: list[str] | None = None) -> int:
                                                        "training runs and/or a lab folder"))
     # key=value overrides may stand anywhere after `train CONFIG` (argparse cannot interleave
     # them with --out), so they are collected from the arguments argparse does not know
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("train", "repro"):
+        # before argparse, whose first complaint (a missing --out) would hide this one
+        problem = _config_option_error(argv[1:], sub.choices[argv[0]])
+        if problem:
+            sub.choices[argv[0]].error(problem)
     args, extra = parser.parse_known_args(argv)
     args.overrides = [e for e in extra if "=" in e and not e.startswith("-")]
     unknown = [e for e in extra if e not in args.overrides]
     if unknown or (args.overrides and args.command not in ("train", "repro")):
-        parser.error(f"unrecognized arguments: {' '.join(unknown or args.overrides)}")
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown or args.overrides)}")
     try:
         if args.command == "demo":
             from .experiments.demo import run_demo

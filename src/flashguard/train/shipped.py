@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .config import ConfigError
 
-__all__ = ["shipped_configs", "find_config"]
+__all__ = ["shipped_configs", "find_config", "config_precision"]
 
 _PACKAGE = Path(__file__).resolve().parents[1]   # .../flashguard
 # installed: flashguard/configs (package data); a source checkout: flashguard/configs -> ../../configs,
@@ -40,3 +40,20 @@ def find_config(name_or_path: str | Path) -> Path:
         return shipped[stem]
     names = ", ".join(shipped) or "(none found: broken install?)"
     raise ConfigError(f"config {str(name_or_path)!r} is neither a file nor a shipped config; shipped: {names}")
+
+
+def config_precision(path: str | Path) -> str:
+    """The attention precision a config file trains ([attention] precision; the default where it
+    sets none), read without validating the rest: for listings such as ``flashguard train --help``."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        precision = tomllib.loads(Path(path).read_text()).get("attention", {}).get("precision")
+    except (OSError, tomllib.TOMLDecodeError, AttributeError) as e:
+        raise ConfigError(f"config file {path} is not readable TOML: {e}") from None
+    if precision is None:
+        from .config import _default_spec
+        precision = _default_spec().precision
+    return str(precision)
