@@ -9,8 +9,8 @@ import pytest
 
 from run_helpers import MICRO, micro_overrides
 from flashguard import keys
-from flashguard.diagnostics.command import (LEGEND, _COLUMNS, add_diagnose_arguments, format_table, layer_flags,
-                                            legend, run_diagnose)
+from flashguard.diagnostics.command import (COMPACT, LEGEND, _COLUMNS, add_diagnose_arguments, format_table,
+                                            layer_flags, legend, run_diagnose)
 from flashguard.diagnostics.monitor import MonitorThresholds
 
 
@@ -69,10 +69,35 @@ def test_table_has_the_flag_column_and_every_column_a_legend_line():
     assert row0.split()[:4] == ["L0", "flash[paper,none]", "ok", "1.5"] and row1.split()[2] == "warning"
     assert "flag" not in format_table(metrics, [0])         # without flags, no column
     lines = legend().split("\n")
-    assert lines[0] == "columns:" and len(lines) == 1 + 3 + len(_COLUMNS)   # one line each
+    entries = [ln for ln in lines[1:] if ln[:2] == "  " and ln[2] != " "]   # continuation lines are indented further
+    assert lines[0] == "columns:" and len(entries) == 3 + len(_COLUMNS)      # one entry each
+    assert max(len(ln) for ln in lines) <= 100
     for name in ["layer", "attention", "flag"] + [c for c, _ in _COLUMNS]:
-        assert sum(1 for ln in lines if ln.split()[:1] == name.split()[:1]) >= 1, name
+        assert sum(1 for ln in entries if ln.split()[:1] == name.split()[:1]) >= 1, name
         assert LEGEND[name]
+
+
+def test_default_table_is_compact_within_100_columns_and_wide_has_every_column():
+    # the widest cells _fmt writes (-1.23e-04) in every column of 12 layers, and long attention labels
+    layers = list(range(12))
+    metrics = {m.key(l): -1.23456e-4 for l in layers for _, m in _COLUMNS}
+    attention = {l: "flash[paper,paper:beta=7,tol=0.001] (shadow: fa2-e4m3-pscaled, safe)" for l in layers}
+    attention[3] = "math[fp32,none]"
+    flags = {l: "warning" for l in layers}
+    compact = format_table(metrics, layers, attention=attention, flags=flags, wide=False).split("\n")
+    assert max(len(ln) for ln in compact) <= 100
+    header = next(ln for ln in compact if ln.startswith("layer"))
+    assert header.split() == " ".join(["layer", "flag", *COMPACT]).split() and len(COMPACT) == 7
+    body = compact[compact.index(header) + 2:]
+    assert len(body) == 12 and all(ln.split()[1:] == ["warning"] + ["-1.23e-04"] * 7 for ln in body)
+    assert compact[0].startswith("attention: L0, L1, L2, L4") and "L3: math[fp32,none]" in " ".join(compact)
+    wide = format_table(metrics, layers, attention=attention, flags=flags).split("\n")
+    assert wide[0].split() == " ".join(["layer", "attention", "flag", *(c for c, _ in _COLUMNS)]).split()
+    assert len(wide) == 2 + 12 and len(_COLUMNS) == 19
+    assert wide[2].split()[-19:] == ["-1.23e-04"] * 19 and attention[0] in wide[2]
+    short = legend(wide=False).split("\n")
+    assert max(len(ln) for ln in short) <= 100 and "O bias.sgnV" not in "\n".join(short)
+    assert all(f"  {c} " in "\n".join(short) for c in COMPACT)
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +113,19 @@ def probed(tiny_data, tmp_path_factory):
 def test_diagnose_prints_flags_reasons_and_legend(probed, capsys):
     p = argparse.ArgumentParser()
     add_diagnose_arguments(p)
+    assert run_diagnose(p.parse_args([str(probed), "--step", "3", "--no-grad-error", "--wide"])) == 0
+    table = capsys.readouterr().out.split("\n")[1:5]
+    assert table[0].split() == " ".join(["layer", "attention", "flag", *(c for c, _ in _COLUMNS)]).split()
+    assert all(line.split()[2] in ("ok", "watch", "warning") for line in table[2:4])
+    # the default: the attention on a line, then the compact table; the table and legend within 100 columns
     assert run_diagnose(p.parse_args([str(probed), "--step", "3", "--no-grad-error"])) == 0
     out = capsys.readouterr().out
-    table = out.split("\n")[1:5]
-    assert table[0].split()[:3] == ["layer", "attention", "flag"]
-    assert all(line.split()[2] in ("ok", "watch", "warning") for line in table[2:4])
+    lines = out.split("\n")
+    assert lines[1].startswith("attention: L0, L1: ") and lines[2].split() == " ".join(["layer", "flag", *COMPACT]).split()
+    assert all(line.split()[1] in ("ok", "watch", "warning") for line in lines[4:6])
+    shown = lines[1:lines.index("columns:")] if "columns:" in lines else []
+    legend_lines = lines[lines.index("columns:"):lines.index("columns:") + 1 + 3 + len(COMPACT)]
+    assert shown and max(len(ln) for ln in shown + legend_lines) <= 100
     # a 6-step run: nothing judged before 2 x warm-up, so every layer is ok, over 2 probes (steps 0 and 3)
     assert "L0 ok: every signal below its watch level (monitor rules over 2 probes of this layer)" in out
     assert "columns:\n" in out and "  flag " in out and "  W_Q max " in out

@@ -8,7 +8,8 @@ mode, so without dropout) and the probes. The probe state saved by the trainer b
 is continued when present (growth rates, delta running sum, cosine with the last probe), so
 a checkpoint at a probe step reproduces the trainer's own probe record of that step.
 
-Prints a table per layer, with an ok / watch / warning flag per layer from the early-warning
+Prints a table per layer (compact, within 100 columns: the monitor's signals and the mechanism's
+trigger and lean; ``--wide``: every probe column), with an ok / watch / warning flag per layer from the early-warning
 monitor's own rules (``layer_flags``: ``monitor.Monitor`` fed that layer's probe records from
 RUN_DIR/metrics.jsonl up to step S, then this probe) and a legend of the columns, and writes
 everything (metrics, flags, per-feature O bias, singular-value spectrum, what ran) as JSON to
@@ -57,6 +58,9 @@ def add_diagnose_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not continue the trainer's probe state (no growth rates or running sums)")
     parser.add_argument("--no-grad-error", action="store_true", help="skip the W_Q gradient-error probe")
     parser.add_argument("--heads", action="store_true", help="also print the per-head table")
+    parser.add_argument("--wide", action="store_true",
+                        help="every probe column in the per-layer table (about 240 characters wide; the default "
+                             "table shows the columns the flag and the mechanism are read from, within 100)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--monitor", action="store_true",
                         help="only replay RUN_DIR/metrics.jsonl through the early-warning monitor")
@@ -80,7 +84,7 @@ def _fmt(x) -> str:
     return str(x)
 
 
-_COLUMNS = [  # (header, metric), one row per layer
+_COLUMNS = [  # (header, metric), one row per layer (--wide: all of them)
     ("W_Q max", keys.WQ_NORM_MAX),
     ("growth", keys.WQ_GROWTH_MAX),
     ("max|S|", keys.MAX_LOGIT),
@@ -101,6 +105,12 @@ _COLUMNS = [  # (header, metric), one row per layer
     ("cos prev", keys.WQ_ERR_COS_PREV),
     ("align", keys.WQ_ERR_ALIGN_TOP),
 ]
+
+# the default (compact) table's columns: the early-warning monitor's signals that set the flag (W_Q's
+# size and growth, the logits, E's cosine with the previous probe) and the mechanism's trigger (ties)
+# and lean (O z, d.err z); with layer and flag, within 100 columns for any values _fmt writes
+COMPACT = ("W_Q max", "growth", "max|S|", "ties", "O z", "d.err z", "cos prev")
+WIDTH = 100   # the compact table's and the legend's line width
 
 # one line per column of the per-layer table: what a new user needs to read it
 LEGEND = {
@@ -147,17 +157,33 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def _attention_line(attention: dict, layers: list[int]) -> str:
+    """The compact table's attention column as lines above it: each attention with its layers."""
+    import textwrap
+    groups: dict[str, list[int]] = {}
+    for layer in layers:
+        groups.setdefault(attention.get(layer, ""), []).append(layer)
+    text = "; ".join(f"{', '.join(f'L{l}' for l in ls)}: {a}" for a, ls in groups.items())
+    return textwrap.fill("attention: " + text, WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+
+
 def format_table(metrics: dict, layers: list[int], *, n_head: int | None = None, attention: dict | None = None,
-                 flags: dict | None = None) -> str:
+                 flags: dict | None = None, wide: bool = True) -> str:
     """A readable per-layer (and, with ``n_head``, per-head) table of probe metrics; ``flags``
-    ({layer: "ok" | "watch" | "warning"}, from ``layer_flags``) adds the flag column."""
-    header = ["layer", "attention"] + (["flag"] if flags is not None else []) + [c for c, _ in _COLUMNS]
+    ({layer: "ok" | "watch" | "warning"}, from ``layer_flags``) adds the flag column. ``wide``:
+    every column, the attention as a column; otherwise the ``COMPACT`` columns, within ``WIDTH``
+    characters, and the attention on a line above the table."""
+    columns = _COLUMNS if wide else [(c, m) for c, m in _COLUMNS if c in COMPACT]
+    header = ["layer"] + (["attention"] if wide else []) + (["flag"] if flags is not None else []) \
+        + [c for c, _ in columns]
     rows = []
     for layer in layers:
         flag = [flags.get(layer, "-")] if flags is not None else []
-        rows.append([f"L{layer}", (attention or {}).get(layer, "")] + flag
-                    + [_fmt(metrics.get(m.key(layer))) for _, m in _COLUMNS])
+        rows.append([f"L{layer}"] + ([(attention or {}).get(layer, "")] if wide else []) + flag
+                    + [_fmt(metrics.get(m.key(layer))) for _, m in columns])
     out = _table(header, rows)
+    if not wide and attention:
+        out = _attention_line(attention, layers) + "\n" + out
     if n_head:
         header = ["head"] + [c for c, _ in _HEAD_COLUMNS]
         rows = [[f"L{layer}H{h}"] + [_fmt(metrics.get(m.key(layer, h))) for _, m in _HEAD_COLUMNS]
@@ -166,11 +192,15 @@ def format_table(metrics: dict, layers: list[int], *, n_head: int | None = None,
     return out
 
 
-def legend(flags: bool = True) -> str:
-    """The table's columns, one line each."""
-    names = ["layer", "attention"] + (["flag"] if flags else []) + [c for c, _ in _COLUMNS]
+def legend(flags: bool = True, *, wide: bool = True) -> str:
+    """The table's columns (``wide``: every column; otherwise the compact table's), one entry each,
+    wrapped to ``WIDTH`` characters (a long entry continues indented under its text)."""
+    import textwrap
+    names = ["layer", "attention"] + (["flag"] if flags else []) + [c for c, _ in _COLUMNS if wide or c in COMPACT]
     width = max(len(n) for n in names)
-    return "\n".join(["columns:"] + [f"  {n:<{width}}  {LEGEND[n]}" for n in names])
+    hang = " " * (width + 4)
+    return "\n".join(["columns:"] + [textwrap.fill(f"  {n:<{width}}  {LEGEND[n]}", WIDTH, subsequent_indent=hang,
+                                                    break_on_hyphens=False) for n in names])
 
 
 def _layer_record(record: dict, layer: int) -> dict:
@@ -316,12 +346,15 @@ def run_diagnose(args: argparse.Namespace) -> int:
           + ("" if res["state_continued"] else "; no earlier probe state (no growth rates or running sums)"))
     flags = res["flags"]
     print(format_table(res["metrics"], res["layers"], n_head=res["n_head"] if args.heads else None,
-                       attention=res["attention"], flags={i: f["state"] for i, f in flags.items()}))
+                       attention=res["attention"], flags={i: f["state"] for i, f in flags.items()},
+                       wide=getattr(args, "wide", False)))
     for layer, f in flags.items():
         n = f["probes"]
         why = "; ".join(f["reasons"]) if f["reasons"] else "every signal below its watch level"
         print(f"L{layer} {f['state']}: {why} (monitor rules over {n} probe{'s' if n != 1 else ''} of this layer)")
-    print(legend())
+    print(legend(wide=getattr(args, "wide", False)))
+    if not getattr(args, "wide", False):
+        print(f"(--wide: all {len(_COLUMNS)} probe columns)")
     if res["census"] is not None:
         from .census_table import Census, format_census
         found = Census.from_dict(res["census"])
