@@ -7,6 +7,9 @@ Tolerances as in tests/attention/test_flash.py: against an fp64 model with the s
 flashguard's error is bounded by a small multiple of what plain torch SDPA achieves in the same
 dtype, floored at a few ulps of the value (a loss that both paths get exactly right in fp32 has
 an error of 0, and a ratio against 0 measures nothing).
+
+These run on the installed transformers; tools/hf_matrix.sh runs them on the lowest supported
+(4.54.*) and the newest 5.x, each in a virtual environment of its own.
 """
 from __future__ import annotations
 
