@@ -30,6 +30,7 @@ import functools
 import torch
 
 from ..numerics.arith import cast, emulate, rowsum, storage_dtype
+from ..numerics.fast_exp import FEXP_LANES, fexp_u20
 from ..numerics.formats import FP32, FP64, FloatFormat
 from ..numerics.policy import PrecisionPolicy
 from .dropout import TileDropout
@@ -267,6 +268,16 @@ def _exp_hidden_(x: torch.Tensor, hidden: "_Hidden | None", rows: torch.Tensor, 
     return p
 
 
+def _fast_exp_columns(x: torch.Tensor, policy: PrecisionPolicy) -> "torch.Tensor | None":
+    """With ``policy.exp == "fexp_u20"``: a copy of the tile's vectorised columns of x = S - m
+    (the first multiple of FEXP_LANES), which take the kernel's fast exponential; the rest of
+    the tile keeps the exact exp (the kernel's scalar tail). None for the exact exp."""
+    if policy.exp != "fexp_u20":
+        return None
+    n = x.shape[-1] - x.shape[-1] % FEXP_LANES
+    return x[..., :n].clone() if n else None
+
+
 def _tile_hidden(hide, causal, q0, q1, k0, k1, device) -> "_Hidden | None":
     """The keys of one tile hidden from its queries (``_Hidden``: ``.mask`` is True where a key
     is hidden from a query); None if none is."""
@@ -379,6 +390,7 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
                 p_full = torch.zeros_like(s)  # exp(fill - m) underflows, or is masked, everywhere
             else:
                 x = _rounded(s.sub_(m_safe), policy.scores)  # consumes s
+                x_fast = _fast_exp_columns(x, policy)
                 if th is None or fill == float("-inf"):
                     p_full = _exp_hidden_(x, th, m_safe, policy.scores)
                 else:
@@ -387,6 +399,10 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
                     if _slow_exp(x, policy.scores):
                         th.fill_(x, 0.0)
                     p_full = th.fill_(_rounded(x.exp_(), policy.scores), 0.0)
+                if x_fast is not None:
+                    p_full[..., :x_fast.shape[-1]] = fexp_u20(x_fast)
+                    if th is not None:
+                        th.fill_(p_full, 0.0)
             pbar = pbar_operand(p_full, policy)
             tile_sum = rowsum(pbar if policy.row_sum_rounded else p_full, stats)
             if policy.row_sum_floor is not None:
@@ -410,7 +426,11 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
                     acc_hp = acc_hp + ops.mm(pbar, v_tile, hp_fmt)
             m = m_new
         empty = l == 0  # every key masked: output 0 and lse = +inf (so that backward P = 0)
-        o = cast(acc / torch.where(empty, torch.ones_like(l), l), acc_fmt)
+        l_safe = torch.where(empty, torch.ones_like(l), l)
+        if policy.normalize == "reciprocal":  # one rounding of 1 / l, then one of the product
+            o = cast(acc * cast(l_safe.reciprocal(), stats), acc_fmt)
+        else:
+            o = cast(acc / l_safe, acc_fmt)
         if dropout is not None:
             o = cast(o * dropout.scale, acc_fmt)
         o = _Hidden(empty).fill_(o, 0.0)  # o is a fresh tensor

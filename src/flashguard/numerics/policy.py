@@ -16,6 +16,12 @@ Presets (``get_policy(name)``):
 * ``fa2``    production kernels: fp32 scores, statistics and accumulators, Pbar rounded to
              bf16 only as the PV matmul operand, O rounded to bf16 once.
 * ``fa2-fp16``, ``fa2-e4m3``, ``fa2-e5m2``: the same structure with that input / Pbar format.
+* ``torch-cpu`` PyTorch's fused CPU flash kernel (what ``scaled_dot_product_attention`` runs on
+             bf16 CPU tensors): ``fa2``'s structure with the kernel's fast exponential
+             (``exp="fexp_u20"``, numerics.fast_exp), whose value at 0 is 1 - 5.3e-5, summed
+             unrounded into l while P̄ rounds to 1 for P̄·V, and O = acc * (1 / l). Pinned against
+             the kernel by tests/attention/test_torch_cpu.py (docs/audit/torch-cpu.md: what
+             matches bit for bit, and the one step that does not).
 * ``paper-fp32fwd``  the reference arithmetic with its forward raised to fp32 except the Pbar
              operand: scores, the PV product, the running O and the statistics m, l, lse
              (inputs, Pbar, the output and the whole backward stay bf16). The cheapest change the lab measured to bring the
@@ -37,12 +43,14 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from .fast_exp import EXP_IMPLEMENTATIONS
 from .formats import FloatFormat, get_format
 
 __all__ = ["PrecisionPolicy", "POLICIES", "get_policy", "DELTA_SOURCES", "largest_pbar_scale"]
 
 DELTA_SOURCES = ("o_lowp", "o_highp", "dp_p")
 _MASKED_SCORES = ("inf", "finite")
+_NORMALIZE = ("divide", "reciprocal")
 
 _FORMAT_FIELDS = (
     "inputs", "scores", "stats", "pbar", "pv", "o_accum", "output", "lse",
@@ -57,12 +65,12 @@ class PrecisionPolicy:
     Forward, per (query tile, key tile):
       S = round_scores(round_scores(q k^T) * scale)          ``scores``
       m_new = max(m, stabilizer shift)                        ``stats``
-      Pbar = exp(S - m_new) computed in ``scores``, rounded to ``pbar`` for the PV matmul
+      Pbar = exp(S - m_new) computed in ``scores`` (by ``exp``), rounded to ``pbar`` for the PV matmul
              (as Pbar * 2^pbar_scale: see below)
       l = f*l + rowsum(Pbar)  (rounded or unrounded Pbar:    ``row_sum_rounded``), ``stats``
       PV = Pbar @ v                                           ``pv``
       O = O*f + PV                                            ``o_accum``
-      final O = O / l                                         ``output``; lse = log l + m: ``lse``
+      final O = O / l (``normalize``: or O * (1 / l))          ``output``; lse = log l + m: ``lse``
     Backward, per tile pair (dO is rounded to ``inputs``):
       P = exp(S - lse)                                        ``p``
       dV += P^T dO   (P enters as ``pbar``, scaled alike; product ``grad_partial``, sum ``grad_accum``)
@@ -96,6 +104,8 @@ class PrecisionPolicy:
     visit_masked_tiles: bool = False   # also process key tiles the causal mask hides completely
     masked_scores: str = "inf"         # forward value of masked scores: -inf or -max finite
     rounding: str = "nearest"          # emulated formats: "nearest" or "stochastic" (native: nearest)
+    exp: str = "exact"                 # the forward's exp(S - m): "exact", or "fexp_u20" (torch's CPU kernel)
+    normalize: str = "divide"          # final O = acc / l ("divide") or acc * (1 / l) ("reciprocal")
     # backward
     p: FloatFormat | str = "fp32"
     dp: FloatFormat | str = "fp32"
@@ -118,6 +128,13 @@ class PrecisionPolicy:
                 f"PrecisionPolicy.delta_source must be one of {DELTA_SOURCES}, got {self.delta_source!r}")
         if self.rounding not in ("nearest", "stochastic"):
             raise ValueError(f"PrecisionPolicy.rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
+        if self.exp not in EXP_IMPLEMENTATIONS:
+            raise ValueError(f"PrecisionPolicy.exp must be one of {EXP_IMPLEMENTATIONS}, got {self.exp!r}")
+        if self.exp == "fexp_u20" and self.scores.name != "fp32":
+            raise ValueError(f"PrecisionPolicy.exp='fexp_u20' is an fp32 routine: it needs scores='fp32', "
+                             f"got scores={self.scores.name!r}")
+        if self.normalize not in _NORMALIZE:
+            raise ValueError(f"PrecisionPolicy.normalize must be one of {_NORMALIZE}, got {self.normalize!r}")
         if self.masked_scores not in _MASKED_SCORES:
             raise ValueError(
                 f"PrecisionPolicy.masked_scores must be one of {_MASKED_SCORES}, got {self.masked_scores!r}")
@@ -198,6 +215,11 @@ POLICIES: dict[str, PrecisionPolicy] = {
 for _fp8 in ("e4m3", "e5m2"):
     POLICIES[f"fa2-{_fp8}-pscaled"] = POLICIES[f"fa2-{_fp8}"].replace(
         name=f"fa2-{_fp8}-pscaled", pbar="e4m3", row_sum_rounded=True, pbar_scale=largest_pbar_scale(get_format("e4m3")))
+# PyTorch's fused CPU flash kernel (ATen FlashAttentionKernel.cpp): fa2's structure, with the fast
+# exponential on each key tile's vectorised columns (exact exp on the last n % 16) and O = acc * (1/l).
+# Its key tile is 512 wide (the default block); its query split (32 / 64 / 256 rows) does not change
+# a row's arithmetic.
+POLICIES["torch-cpu"] = POLICIES["fa2"].replace(name="torch-cpu", exp="fexp_u20", normalize="reciprocal")
 # lse is a statistic too: in bf16 a fully masked row's lse (log of the 1e-10 floor + m = -fp32 max)
 # overflows to -inf and the backward's exp(S - lse) becomes NaN (found by tests/attention/test_fuzz.py)
 POLICIES["paper-fp32fwd"] = POLICIES["paper"].replace(name="paper-fp32fwd", scores="fp32", pv="fp32", o_accum="fp32",
