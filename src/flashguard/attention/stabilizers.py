@@ -3,8 +3,9 @@
 Flash attention computes Pbar = exp(S - m) with m the running row maximum, so the largest
 entry of a row is exp(0) = 1 exactly. When a row's maximum repeats (ties), several V rows
 enter the PV sum with weight exactly 1 and low-precision rounding of that sum errs in one
-direction (paper-notes §3). Softmax is invariant to the shift, so any m >= max(S) gives the
-same attention in exact arithmetic; a stabilizer picks one that keeps Pbar away from 1.
+direction (Qiu & Yao 2025, arXiv 2510.04212). Softmax is invariant to the shift, so any
+m >= max(S) gives the same attention in exact arithmetic; a stabilizer picks one that keeps
+Pbar away from 1.
 
 A stabilizer maps a key tile's scores ``s`` (..., rows, keys) and their row maxima
 ``row_max`` (..., rows, 1), both in the policy's scores storage, to this tile's shift
