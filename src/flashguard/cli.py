@@ -205,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     au.add_argument("--quick", action="store_true", help="1,024 rows per condition instead of 3,072")
     au.add_argument("--out", default="audit", help="output folder (default: audit)")
     au.add_argument("--device", default="cpu", help="cpu (default) or cuda: which kernels are audited")
+    au.add_argument("--decompose", action="store_true",
+                    help="instead: where torch's CPU flash kernel leans, step by step: the kernel, its faithful model "
+                         "(precision torch-cpu) and the model with one step changed at a time, with the model's bit "
+                         "agreement with the kernel (OUT/torch-cpu-decomposition.md; 7 s quick, on one core)")
     au.add_argument("--seed", type=int, default=0)
     au.add_argument("--triton-interpreter", action="store_true",
                     help="on CPU, also audit flashguard's Triton kernels (fa2, fa2-fp16) in Triton's CPU interpreter "
@@ -254,6 +258,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("--triton-interpreter is for --device cpu (on cuda the Triton kernels run compiled)")
             if args.device == "cuda" and not __import__("torch").cuda.is_available():
                 raise ValueError("--device cuda: no CUDA device here")
+            if args.decompose:
+                if args.device != "cpu":
+                    raise ValueError("--decompose measures torch's CPU flash kernel: use --device cpu")
+                from .experiments.kernel_decomposition import decompose_torch_cpu, write_decomposition
+                dec = decompose_torch_cpu(quick=args.quick, seed=args.seed, progress=lambda m: print(f"  {m}"))
+                print("the step responsible:", "; ".join(dec["responsible"]) or "none found")
+                print(f"tables in {write_decomposition(dec, args.out)}")
+                return 0
             result = run_audit(quick=args.quick, seed=args.seed, device=args.device,
                                triton_interpreter=args.triton_interpreter, progress=lambda m: print(f"  {m}"))
             paths = write_audit(result, args.out)

@@ -36,7 +36,7 @@ from .lab.problems import Problem
 
 __all__ = ["builtin_kernels", "audit_conditions", "run_audit", "write_audit", "use_triton_interpreter", "kernel_name"]
 
-FLASHGUARD_PRESETS = ("paper", "paper-fp32fwd", "fa2")
+FLASHGUARD_PRESETS = ("paper", "paper-fp32fwd", "fa2", "torch-cpu")
 
 
 def _sdpa(sdp_backend):
