@@ -61,3 +61,21 @@ def test_an_unknown_option_that_is_no_config_key_is_refused_as_before(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: flashguard train ") and "unrecognized arguments: --bogus 3" in err
+
+
+def test_no_user_facing_text_cites_a_file_users_do_not_have():
+    # the project's working notes (paper-notes, shared/) are not shipped: text a user reads states
+    # the fact or cites the study itself
+    files = [*(ROOT / "src" / "flashguard").rglob("*.py"), *(ROOT / "configs").glob("*.toml"), ROOT / "README.md",
+             *(p for p in (ROOT / "docs").rglob("*") if p.suffix in (".md", ".txt", ".json", ".html"))]
+    cited = [f"{p.relative_to(ROOT)}:{i}" for p in files
+             for i, line in enumerate(p.read_text(errors="replace").split("\n"), 1)
+             if "paper-notes" in line or "shared/" in line]
+    assert len(files) > 50 and cited == []
+
+
+def test_the_census_legend_cites_the_study():
+    from flashguard.diagnostics.census_table import census_legend
+    first, *rest = census_legend()
+    assert "Qiu" in first and "arXiv 2510.04212" in first
+    assert len(rest) >= 7 and not any("paper-notes" in line for line in rest)

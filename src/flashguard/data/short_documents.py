@@ -2,7 +2,7 @@
 
 Why: in the study's GPT-2 a window of 1,024 OpenWebText tokens holds several end-of-text
 tokens, and attention sinks on those identical tokens give identical scores up to bf16
-rounding: the repeated row maxima the failure starts from (paper-notes §3). The embedded
+rounding: the repeated row maxima the failure starts from (Qiu & Yao 2025, arXiv 2510.04212). The embedded
 corpus is whole source files (15 kB on average), so a 256- or 512-token window almost never
 holds a separator; cut into paragraphs, it does.
 

@@ -1,6 +1,6 @@
 """The preconditions census: does a layer's attention set up the study's mechanism?
 
-The study's mechanism (Qiu & Yao 2025; paper-notes §3) needs, one after the other: rows whose
+The study's mechanism (Qiu & Yao 2025, arXiv 2510.04212) needs, one after the other: rows whose
 maximum score repeats (ties, common at attention sinks), so that several softmax numerators
 Pbar are exactly 1 and their V rows enter the PV sum exactly; V features of one sign at those
 tied keys, so that the sum of two same-signed, same-exponent bf16 values overflows the

@@ -11,8 +11,10 @@ agreement and the ties at the sink pooled over every layer's exactly tied rows, 
 the layer that leans most. "Over training" counts the probes at which the same rule says
 present (and weak). Every threshold is a constant here, and the legend prints them.
 
-The study's column is what Qiu & Yao (2025) report, qualitatively (paper-notes §2-3): they give
-no tie rate or sink mass for their GPT-2, so its column names the finding, not a number.
+The study's column is what Qiu & Yao (2025, arXiv 2510.04212, "Why Low-Precision Transformer
+Training Fails: An Analysis on Flash Attention") report, qualitatively, in their localisation and
+mechanism analysis: they give no tie rate or sink mass for their GPT-2, so its column names the
+finding, not a number. The legend cites them once (``STUDY``).
 """
 from __future__ import annotations
 
@@ -28,6 +30,10 @@ __all__ = ["PRESENT", "WEAK", "ABSENT", "NOT_MEASURED", "PRECONDITIONS", "Readin
            "Census", "census_from_records", "format_census", "census_legend", "over_training", "probe_records"]
 
 PRESENT, WEAK, ABSENT, NOT_MEASURED = "present", "weak", "absent", "n/a"
+
+# the study the census compares with, as the legend cites it
+STUDY = ('the study: H. Qiu and Q. Yao, "Why Low-Precision Transformer Training Fails: An Analysis on Flash '
+         'Attention", arXiv 2510.04212 (2025): its localisation (5b) and mechanism analysis (every row)')
 
 # thresholds of the verdicts (the legend prints them)
 RATE_PRESENT, RATE_WEAK = 1e-2, 1e-3      # ties, 2 x Pbar == 1: shares of (row, key tile) pairs
@@ -182,13 +188,13 @@ PRECONDITIONS: tuple[Precondition, ...] = (
     Precondition(
         "ties", "1. tied row maxima", "present (common at sinks)",
         "rows of S with a repeated maximum: common with attention sinks, and much more common once scores are "
-        "rounded to bf16 (paper-notes §3); the study gives no rate",
+        "rounded to bf16; the study gives no rate",
         f"share of (row, key tile) pairs whose maximum repeats by the stabilizer's own tie rule (trace's count), "
         f"strongest layer: present >= {RATE_PRESENT:g}, weak >= {RATE_WEAK:g}, else absent",
         _strongest_layer(keys.TIE_RATE), _at_least(RATE_PRESENT, RATE_WEAK)),
     Precondition(
         "tie_at_sink", "1b. ties at the sink (key 0)", "present",
-        "the repeated maxima sit at attention sinks (paper-notes §3)",
+        "the repeated maxima sit at attention sinks",
         f"share of the exactly tied rows whose tied keys include key 0, pooled over layers, against its chance "
         f"level (each row's k tied keys drawn from its n visible keys: k / n): present >= {AT_SINK_PRESENT:g} and "
         f">= {AT_SINK_LIFT_PRESENT:g} x chance, weak >= {AT_SINK_WEAK:g} and >= {AT_SINK_LIFT_WEAK:g} x chance, "
@@ -196,14 +202,13 @@ PRECONDITIONS: tuple[Precondition, ...] = (
         _ties_at_sink, _judge_ties_at_sink),
     Precondition(
         "multi_one", "2. rows with >= 2 Pbar == 1", "present (the trigger)",
-        "a tied maximum gives Pbar = exp(0) = 1 exactly, so several V rows enter the Pbar V sum exactly "
-        "(paper-notes §3)",
+        "a tied maximum gives Pbar = exp(0) = 1 exactly, so several V rows enter the Pbar V sum exactly",
         f"share of (row, key tile) pairs with two or more Pbar exactly 1 (trace's count), strongest layer: "
         f"present >= {RATE_PRESENT:g}, weak >= {RATE_WEAK:g}, else absent",
         _strongest_layer(keys.PBAR_ONE_MULTI), _at_least(RATE_PRESENT, RATE_WEAK)),
     Precondition(
         "sink", "3. sink mass", "present (attention sinks)",
-        "attention sinks, where the ties are common (paper-notes §3); the study gives no sink mass",
+        "attention sinks, where the ties are common; the study gives no sink mass",
         f"mean attention probability on key 0 (attn/sink_mass, fp64), strongest head: present >= {SINK_PRESENT:g}, "
         f"weak >= {SINK_WEAK:g}, else absent",
         _strongest_head(keys.SINK_MASS), _at_least(SINK_PRESENT, SINK_WEAK)),
@@ -211,14 +216,14 @@ PRECONDITIONS: tuple[Precondition, ...] = (
         "v_sign", "4. V one-signed at the tied keys", "present (V mostly < 0)",
         "in feature dimensions where V is mostly negative, two negative bf16 values of one exponent overflow "
         "the significand and the small same-sign terms set the sticky bits, so rounding goes up in magnitude "
-        "every time: exact -4.703990459 becomes -4.71875 in bf16, an error of -0.0148 (paper-notes §3)",
+        "every time: exact -4.703990459 becomes -4.71875 in bf16, an error of -0.0148",
         f"over the rows whose maximum repeats bit for bit, the share of V's features in which every tied key's "
         f"value has one sign, pooled over layers: present >= {AGREE_PRESENT:g}, weak >= {AGREE_WEAK:g} "
         f"(independent random signs give 0.5 for a pair), else absent (absent too without tied rows)",
         _pooled_over_tied_rows(keys.V_SIGN_AGREE), _at_least(AGREE_PRESENT, AGREE_WEAK)),
     Precondition(
         "o_bias", "5a. O bias (row z)", "present (O < 0 where V < 0)",
-        "the O error is negative in the features where V is negative, every time (paper-notes §3)",
+        "the O error is negative in the features where V is negative, every time",
         f"z of O's error over rows (one value per row: its mean over the row's features) at the layer that "
         f"leans most: present = a lean, {_LEAN_RULE}; weak = |z| >= {Z_CRIT:.2f} with a smaller ratio; "
         f"else absent",
@@ -226,7 +231,7 @@ PRECONDITIONS: tuple[Precondition, ...] = (
     Precondition(
         "delta_bias", "5b. delta bias (row z)", "present: positive, coherent",
         "delta_lp - delta_hp has a consistent sign, positive, and its running sum keeps growing; it drifts W_Q "
-        "(in their run layer 2, index 1, head 8 grew fastest) (paper-notes §2-3)",
+        "(in their run layer 2, index 1, head 8 grew fastest)",
         f"z of delta's error over rows at the layer that leans most positive: present = a positive lean, "
         f"{_LEAN_RULE}; weak = a significant lean of the other sign or below the ratio; else absent",
         _leaning_layer(keys.DELTA_ERR_Z_ROW, keys.DELTA_ERR_RATIO_ROW, positive=True), _judge_delta_bias),
@@ -356,7 +361,7 @@ def over_training(r: CensusRow) -> str:
 
 def census_legend() -> list[str]:
     """One line per precondition: the study's finding and the verdict's rule."""
-    out = []
+    out = [STUDY + "."]
     for p in PRECONDITIONS:
         out.append(f"{p.name}: the study: {p.study_detail}. Verdict: {p.rule}.")
     out.append("Per layer (latest probe): ties = the tie rate by the stabilizer's rule; exact ties = maxima repeated "

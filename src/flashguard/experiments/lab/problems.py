@@ -19,7 +19,7 @@ are not independent, so the unit of a sink problem is the instance (``Problem.un
 
 V ~ N(v_mean, v_sd^2) per entry ("mostly negative V" for v_mean < 0); dO ~ N(do_mean, 1).
 With do_mean of V's sign, delta's error rowsum(dO * O_err) has the sign of -O_err: a
-negative O bias shows as a positive delta bias (paper-notes section 3).
+negative O bias shows as a positive delta bias (Qiu & Yao 2025, arXiv 2510.04212: the mechanism).
 """
 from __future__ import annotations
 
