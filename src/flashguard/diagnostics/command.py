@@ -8,10 +8,11 @@ mode, so without dropout) and the probes. The probe state saved by the trainer b
 is continued when present (growth rates, delta running sum, cosine with the last probe), so
 a checkpoint at a probe step reproduces the trainer's own probe record of that step.
 
-Prints a table per layer (compact, within 100 columns: the monitor's signals and the mechanism's
-trigger and lean; ``--wide``: every probe column), with an ok / watch / warning flag per layer from the early-warning
-monitor's own rules (``layer_flags``: ``monitor.Monitor`` fed that layer's probe records from
-RUN_DIR/metrics.jsonl up to step S, then this probe) and a legend of the columns, and writes
+Prints a table per layer (compact, within 100 columns: the monitor's signals and the
+mechanism's trigger and lean; ``--wide``: every probe column), with an ok / watch / warning
+flag per layer from the early-warning monitor's own rules (``layer_flags``: ``monitor.Monitor``
+fed that layer's probe records from RUN_DIR/metrics.jsonl up to step S, then this probe) and a
+legend of the columns, and writes
 everything (metrics, flags, per-feature O bias, singular-value spectrum, what ran) as JSON to
 --out (default RUN_DIR/diagnostics/diagnose_<S>.json).
 The preconditions census (``census_table``: ties, ties at the sink, rows with >= 2 Pbar == 1, sink
