@@ -175,7 +175,8 @@ def test_consistent_delta_bias_is_a_watch_only():
 
 def test_find_divergence_from_the_loss_alone():
     """The monitor's divergence is the trainer's rule (flashguard.train.divergence)."""
-    recs = [{"step": s, "loss/train": 3.0 - s / 1000} for s in range(500)]
+    # step 0 is the loss at initialisation (5.0): a calm 4.0 later stays under it (the initial-loss test)
+    recs = [{"step": s, "loss/train": 5.0 if s == 0 else 3.0 - s / 1000} for s in range(500)]
     recs += [{"step": s, "loss/train": 6.0} for s in range(500, 520)]
     step, reason = find_divergence(recs)
     assert step == 500 and "2 x its running minimum 2.501" in reason

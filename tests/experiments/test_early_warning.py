@@ -29,14 +29,16 @@ def _noise(n, seed, *, mean=2.0, sd=0.05):
 
 
 def _records(steps=400, *, seed=0, diverge_at=None, runaway_from=None, logit_base=20.0):
-    """A run's metrics stream: noisy flat loss and gradient norm every step; probes every 25 steps
+    """A run's metrics stream: noisy flat loss (step 0, the loss at initialisation, 0.5 above it: a
+    run flat from its first step never learnt, which the divergence rule's initial-loss test calls
+    diverged) and gradient norm every step; probes every 25 steps
     (2 layers). ``runaway_from``: the W_Q norm of L0 and the max logit grow from that step on;
     ``diverge_at``: the loss jumps to 3x there and the stream stops (as the trainer stops a run)."""
     rng = random.Random(seed)
     out = []
     for s in range(steps):
         grow = 0.0 if runaway_from is None or s < runaway_from else (s - runaway_from) / 25.0
-        loss = 2.0 + rng.gauss(0, 0.02)
+        loss = 2.0 + rng.gauss(0, 0.02) + (0.5 if s == 0 else 0.0)   # step 0: the loss at initialisation
         if diverge_at is not None and s == diverge_at:
             loss = 6.0
         r = {keys.STEP: s, keys.LOSS_TRAIN: loss, keys.GRAD_NORM: 1.0 + abs(rng.gauss(0, 0.05)),
@@ -365,7 +367,7 @@ def test_only_twins_count_for_false_alarms():
     """A run that leans by design and did not diverge by the rule is 'other': its alarm is neither a
     false alarm nor a hit; a zero-mean or uninjected run that alarms is a false alarm."""
     from flashguard.experiments.early_warning.evaluate import measure
-    calm = [{keys.STEP: s, keys.LOSS_TRAIN: 2.0, keys.GRAD_NORM: 1.0} for s in range(50)]
+    calm = [{keys.STEP: s, keys.LOSS_TRAIN: 2.5 if s == 0 else 2.0, keys.GRAD_NORM: 1.0} for s in range(50)]
     runs = [_run("plain", calm), _run("zm", calm, injection={"rule": "zero-mean", "alpha": 100.0, "p": None}),
             _run("real1", calm, injection={"rule": "real", "alpha": 1.0, "p": None}),
             _run("coh", calm, injection={"rule": "coherent", "alpha": 10.0, "p": 1.0}),

@@ -3,8 +3,9 @@
 ``evaluate_run`` -> ``RunEvaluation`` (first watch and warning, lead time = divergence
 step - first warning step, false alarm = a warning in a run that did not diverge). The
 divergence step is the package's one rule, ``flashguard.train.divergence.find_divergence``
-(loss >= 2 x its running minimum after warm-up, the run's own ``train.divergence_factor`` if
-set, a non-finite loss or gradient norm, or a step the trainer marked ``event/diverged``): the
+(a non-finite loss or gradient norm; loss >= 2 x its running minimum after warm-up, or the run's
+own ``train.divergence_factor`` if set; loss >= the run's initial loss after the warm-up; a
+gradient norm 10^3 x the warm-up's median; or a step the trainer marked ``event/diverged``): the
 event that stops a run and decides the repro's claim C1. ``evaluate_runs`` summarises several
 runs: lead times, how many warned >= 200 steps ahead (the goal), false-alarm rate. Command
 line: ``python -m flashguard.diagnostics.evaluate`` (``.evaluate``).

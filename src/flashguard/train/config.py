@@ -101,7 +101,7 @@ class TrainConfig:
     eval_batches: int = 10
     log_every: int = 1
     divergence_loss: float | None = None  # stop when loss exceeds this (non-finite always stops)
-    divergence_factor: float | None = None  # stop when loss >= this x its running minimum after warm-up
+    divergence_factor: float | None = None  # stop by the divergence rule (train/divergence.py), this x its running min
     on_divergence: str = "stop"       # stop | continue
     tensorboard: bool = False
     progress: bool = True

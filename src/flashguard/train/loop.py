@@ -260,7 +260,9 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
     last_loss, diverged, step, result = float("nan"), False, start, None
     watch = LossWatch(t.divergence_factor, after=o.warmup_steps, ceiling=t.divergence_loss)
     if resume:
-        watch.best = state.get("loss_min", watch.best)
+        # the watch's running minimum, initial loss and baseline window; a checkpoint from before
+        # the initial-loss and gradient tests kept only the running minimum (those tests stay off)
+        watch.load_state_dict(state.get("divergence_watch") or {"best": state.get("loss_min", math.inf)})
     try:
         run = RunInfo(cfg=cfg, run_dir=run_dir, model=raw_model, start=start, rank=rank, world=world,
                       log=logger.message)
@@ -297,13 +299,14 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
             info = StepInfo(step=step, model=raw_model, indices=indices, record=record)
             for h in hooks:  # e.g. the probes and the monitor, into the record, before optimizer.step()
                 h.after_backward(info)
-            bad = watch.update(step, train_loss, grad_norm) is not None
+            why = watch.update(step, train_loss, grad_norm)
+            bad = why is not None
             if bad:
                 diverged = True
                 record[keys.DIVERGED] = 1
                 if main:
-                    _write_divergence(run_dir, step, record, indices, train_loss, grad_norm)
-                    logger.message(f"divergence at step {step}: loss {train_loss:.4g}, grad norm {grad_norm:.4g}"
+                    _write_divergence(run_dir, step, record, indices, train_loss, grad_norm, why)
+                    logger.message(f"divergence at step {step}: {why}"
                            f" (details in {run_dir / 'divergence.json'})")
             if not bad or (t.on_divergence == "continue" and math.isfinite(grad_norm)):
                 optimizer.step()
@@ -334,7 +337,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
                     state = {"step": done, "model": raw_model.state_dict(), "optim": optimizer.state_dict(),
                              "data_rng": sampler.get_state(), "torch_rng": torch.get_rng_state(),
                              "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-                             "best_val": best_val, "loss_min": watch.best, "config": config_to_dict(cfg), "world_size": world}
+                             "best_val": best_val, "divergence_watch": watch.state_dict(),
+                             "config": config_to_dict(cfg), "world_size": world}
                     path = save_checkpoint(run_dir, done, state, t.keep_last, best=is_best)
                 if world > 1:
                     dist.barrier()
@@ -363,9 +367,10 @@ def _ce_of(model, x, y) -> float:
     return float(_last_ce(model, loss))
 
 
-def _write_divergence(run_dir: Path, step: int, record: dict, indices: torch.Tensor, loss: float, grad_norm: float):
+def _write_divergence(run_dir: Path, step: int, record: dict, indices: torch.Tensor, loss: float, grad_norm: float,
+                      reason: str):
     ckpt = latest_checkpoint(run_dir)
-    bundle = {"step": step, "loss": loss, "grad_norm": grad_norm, "metrics": record,
+    bundle = {"step": step, "loss": loss, "grad_norm": grad_norm, "reason": reason, "metrics": record,
               "batch_indices": indices.tolist(),
               "last_good_checkpoint": str(ckpt) if ckpt else None,
               "how_to_replay": "flashguard train CONFIG --out NEW_DIR --replay " + str(run_dir)}

@@ -36,7 +36,7 @@ def early_warning_markdown(res: dict) -> str:
          f"{res['divergence_rule']}. Stable twins: runs the rule calls undiverged whose delta error has no lean by "
          "construction (no injection, the arithmetic itself, or a zero-mean error of any size), as the issue defines "
          "them. Other: runs that lean by design (coherent, shuffled, scaled real errors) and did not diverge by the "
-         "rule; many of them ran W_Q away while their loss never doubled its running minimum, so an alarm there is "
+         "rule; some of them ran W_Q away without tripping the rule, so an alarm there is "
          "neither a false alarm nor a hit, and is counted apart (\"alarms / other\").",
          "",
          "A hit: the first alarm at or before the divergence step d, lead time = d - alarm step (\"ahead\": lead > 0; "

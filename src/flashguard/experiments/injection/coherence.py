@@ -35,7 +35,10 @@ high, and a loss stuck at twice the baseline's never doubles it (on the micro gr
 coherent arm ended so, W_Q ~50x the baseline's, loss 3.4-4.2 against 1.9). I1 stays judged by the
 rule; beside it, the same comparison with "W_Q ran away" (some layer at RUNAWAY_FACTOR x the
 baseline's, the C3 criterion) as the outcome, labelled secondary because it was added after the
-first grid showed the rule's blind spot. It never replaces the rule's verdict.
+first grid showed the rule's blind spot. It never replaces the rule's verdict. (Issue 23 added two
+tests to the rule itself, fixed before any run was re-judged: a loss at or above the run's initial
+loss after the warm-up, and a gradient norm 10^3 x the warm-up's median; a run whose W_Q runs away
+with its gradient norm now diverges by the rule, one whose loss merely stays high does not.)
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """One line of numbers per training run, with the package's divergence rule
 (flashguard.train.divergence: the loss reaches 2x its running minimum after warm-up, or the
-run's own train.divergence_factor; a non-finite loss or gradient; a step the trainer marked
-event/diverged)."""
+run's own train.divergence_factor; the loss at or above the run's initial loss after the
+warm-up; a gradient norm 10^3 x the warm-up's median; a non-finite loss or gradient; a step the
+trainer marked event/diverged)."""
 from __future__ import annotations
 
 import math
