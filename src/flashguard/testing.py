@@ -31,8 +31,8 @@ What is measured (nothing here is new; it is the kernel audit's measurement, ``f
   rounded once to ``dtype``): what any kernel returning ``dtype`` must at least err.
 
 Cost (one CPU core, torch 2.13, the fp64 reference and the floor included; torch's CPU flash
-kernel in bf16): the default 8 conditions at 4,096 rows each take about 4 s, ``conditions="full"``
-(16 conditions) about 9 s, on an otherwise idle core (2-2.5x that on a busy shared machine). Time
+kernel in bf16): the default 8 conditions at 4,096 rows each took 4-5 s, ``conditions="full"``
+(16 conditions) 8-9 s, on a lightly loaded 2-core machine (about twice that on a busy one). Time
 grows linearly with ``rows``.
 
 Deterministic: the problems are drawn from ``seed`` (the global torch RNG is left as it was), so
@@ -91,6 +91,10 @@ _SETS = {"default": DEFAULT_CONDITIONS, "full": FULL_CONDITIONS}
 # the noise floor's policy per input dtype: floor_arithmetic keeps only its input and output formats
 _FLOOR_POLICY = {torch.bfloat16: "fa2", torch.float16: "fa2-fp16", torch.float32: "fp32"}
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _n_conditions(n: int) -> str:
+    return f"{n} condition" + ("" if n == 1 else "s")
 
 
 def _e6(x: float) -> str:
@@ -167,10 +171,13 @@ class UnbiasedResult:
         return not self.leans and not self.bad_rows
 
     def summary(self) -> str:
+        n = len(self.conditions)
+        n_lean = len({lean.condition for lean in self.leans} | set(self.bad_rows))
         head = (f"{self.kernel} ({self.dtype}, {self.device}): "
-                + ("no lean beyond the fp32 noise floor" if self.passed else "FAILS")
-                + f" in {len(self.conditions)} conditions; {self.rows} rows each, unit {self.unit}, "
-                  f"seed {self.seed}, d {self.head_dim}; {self.runtime_s:.1f} s")
+                + (f"no lean beyond the fp32 noise floor in {_n_conditions(n)}" if self.passed
+                   else f"FAILS in {n_lean} of {_n_conditions(n)}")
+                + f"; {self.rows} rows each, unit {self.unit}, seed {self.seed}, d {self.head_dim}; "
+                  f"{self.runtime_s:.1f} s")
         lines = [head]
         for c in self.conditions:
             m = c.measurement
@@ -195,7 +202,7 @@ class UnbiasedResult:
     def failure_message(self) -> str:
         n_lean = len({lean.condition for lean in self.leans})
         lines = [f"flashguard.testing.assert_unbiased: {self.kernel} ({self.dtype}, {self.device}) "
-                 f"leans beyond the fp32 noise floor in {n_lean} of {len(self.conditions)} conditions"]
+                 f"leans beyond the fp32 noise floor in {n_lean} of {_n_conditions(len(self.conditions))}"]
         lines += ["  " + lean.line() for lean in self.leans]
         lines += [f"  {name}: {n} of {self.rows} rows have a non-finite O, or O zeroed where the exact O is not"
                   for name, n in self.bad_rows.items()]
@@ -314,8 +321,8 @@ def assert_unbiased(attention_fn, *, dtype: torch.dtype = torch.bfloat16, device
         noise floor takes the same input format and rounds O to it.
     device: where the kernel runs ("cpu", "cuda", ...); the problems and the fp64 reference
         stay on the CPU, O is copied back.
-    conditions: "default" (``DEFAULT_CONDITIONS``: 5 tie conditions, 3 without ties, ~4 s on one
-        CPU core at 4,096 rows), "full" (all 16 of ``CONDITIONS``, ~9 s) or a sequence of names.
+    conditions: "default" (``DEFAULT_CONDITIONS``: 5 tie conditions, 3 without ties, 4-5 s on one
+        CPU core at 4,096 rows), "full" (all 16 of ``CONDITIONS``, 8-9 s) or a sequence of names.
     rows: independent rows per condition (the unit of the statistics); seed: draws the problems.
     quantities: ("o", "delta") by default; delta = rowsum(dO * O) in fp32 from the returned O.
     head_dim: d of q, k, v (default 64; every condition builds for d >= 32).
