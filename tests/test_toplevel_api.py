@@ -10,8 +10,8 @@ import torch
 
 import flashguard
 
-PUBLIC = ["flash_attention", "scaled_dot_product_attention", "override_sdpa", "get_policy", "POLICIES",
-          "get_stabilizer", "STABILIZERS", "trace", "Arithmetic", "watch"]
+PUBLIC = ["flash_attention", "scaled_dot_product_attention", "override_sdpa", "FlashOptions", "get_policy",
+          "POLICIES", "get_stabilizer", "STABILIZERS", "trace", "Arithmetic", "watch"]
 
 
 def _python(code: str) -> str:
@@ -27,6 +27,7 @@ def test_public_names_are_the_subpackages_own():
     assert flashguard.flash_attention is attention.flash_attention
     assert flashguard.scaled_dot_product_attention is attention.scaled_dot_product_attention
     assert flashguard.override_sdpa is attention.override_sdpa
+    assert flashguard.FlashOptions is attention.FlashOptions
     assert flashguard.get_policy is numerics.get_policy and flashguard.POLICIES is numerics.POLICIES
     assert flashguard.get_stabilizer is attention.get_stabilizer and flashguard.STABILIZERS is attention.STABILIZERS
     assert flashguard.trace is trace_module.trace and flashguard.Arithmetic is trace_module.Arithmetic

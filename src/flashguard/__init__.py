@@ -2,6 +2,8 @@
 
     import flashguard
     o = flashguard.flash_attention(q, k, v, is_causal=True, precision="fa2", stabilizer="none")
+    opts = flashguard.FlashOptions(precision="paper", stabilizer="safe")   # or the options, made once
+    o = flashguard.flash_attention(q, k, v, is_causal=True, options=opts)
     with flashguard.override_sdpa(precision="paper-fp32fwd"):
         loss = model(x).loss                       # any model calling F.scaled_dot_product_attention
     t = flashguard.trace(q, k, v, do, flashguard.Arithmetic.of("paper", "safe"))   # errors against fp64
@@ -22,6 +24,7 @@ _EXPORTS = {
     "flash_attention": "flashguard.attention.function",
     "scaled_dot_product_attention": "flashguard.attention.function",
     "override_sdpa": "flashguard.attention.function",
+    "FlashOptions": "flashguard.attention.options",
     "get_policy": "flashguard.numerics.policy",
     "POLICIES": "flashguard.numerics.policy",
     "get_stabilizer": "flashguard.attention.stabilizers",
@@ -35,6 +38,7 @@ __all__ = list(_EXPORTS)
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names are loaded by __getattr__
     from .attention.function import flash_attention, override_sdpa, scaled_dot_product_attention
+    from .attention.options import FlashOptions
     from .attention.stabilizers import STABILIZERS, get_stabilizer
     from .attention.trace import Arithmetic, trace
     from .diagnostics.watch import watch

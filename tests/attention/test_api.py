@@ -26,8 +26,8 @@ X = torch.randn(2, 3, 10, 8)
     (dict(attn_mask=torch.ones(10, 9, dtype=torch.bool)), ValueError, "attn_mask of shape"),
     (dict(attn_mask=torch.ones(2, 3, 10, 10, 1, dtype=torch.bool)), ValueError, "attn_mask of shape"),
     (dict(attn_mask=torch.ones(10, 10, dtype=torch.int64)), TypeError, "attn_mask must be bool"),
-    (dict(block_q=0), ValueError, "block_q must be an integer >= 1"),
-    (dict(block_k=2.5), ValueError, "block_k must be an integer >= 1"),
+    (dict(block_q=0), ValueError, "block_q must be None or an integer >= 1"),
+    (dict(block_k=2.5), ValueError, "block_k must be None or an integer >= 1"),
     (dict(precision="bf17"), ValueError, "unknown precision policy"),
     (dict(stabilizer="magic"), ValueError, "unknown stabilizer"),
     (dict(scale="big"), TypeError, "scale must be a float"),
@@ -97,7 +97,7 @@ def test_override_routes_calls_and_restores():
     real = fn.flash_attention
 
     def spy(*a, **kw):
-        calls.append(kw["precision"])
+        calls.append(kw["options"].precision.name)
         return real(*a, **kw)
 
     fn.flash_attention = spy
@@ -176,53 +176,47 @@ def test_kernel_argument():
                            flash_attention(q, q, q, is_causal=True))
 
 
-def test_backend_is_the_deprecated_name_of_kernel():
-    """kernel= was called backend= (a word now kept for a model layer's sdpa | flash | math):
-    the old keyword still works in flash_attention, the SDPA drop-in and override_sdpa, with a
-    DeprecationWarning naming kernel= at the caller's line, and gives the same bits; both at once
-    is a TypeError. The old names choose_backend and KERNEL_BACKENDS warn the same way."""
-    import flashguard.attention as fa
-    from flashguard.attention import KERNELS, choose_kernel
+def test_flash_options_are_the_one_shape_of_the_options():
+    """Every entry point takes a FlashOptions (options=) or keywords that build one: the same bits
+    either way; keywords change the given options' fields; defaults and checks are FlashOptions'
+    own, with errors naming the option; a keyword that is not an option is a TypeError."""
+    from flashguard.attention import FlashOptions, OptionError
+    from flashguard.attention.options import DEFAULT_BLOCK, flash_options
+    from flashguard.numerics import get_policy
 
     q = torch.randn(1, 2, 16, 8)
-    new = flash_attention(q, q, q, is_causal=True, stabilizer="safe", kernel="pytorch")
-    with pytest.warns(DeprecationWarning, match=r"flash_attention\(\): backend= is now called kernel=.*"
-                                                r"kernel='pytorch'") as rec:
-        old = flash_attention(q, q, q, is_causal=True, stabilizer="safe", backend="pytorch")
-    assert torch.equal(old, new) and rec[0].filename == __file__
-    with pytest.raises(TypeError, match="both kernel='pytorch' and backend='pytorch'"):
-        flash_attention(q, q, q, kernel="pytorch", backend="pytorch")
-    with pytest.raises(TypeError, match="both kernel='auto'"):  # an explicit "auto" is still both
-        flash_attention(q, q, q, kernel="auto", backend="pytorch")
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="unknown kernel 'cuda'"):
-        flash_attention(q, q, q, backend="cuda")
-
-    with pytest.warns(DeprecationWarning, match=r"scaled_dot_product_attention\(\): backend= .*kernel=") as rec:
-        old = scaled_dot_product_attention(q, q, q, is_causal=True, stabilizer="safe", backend="pytorch")
-    assert torch.equal(old, new) and rec[0].filename == __file__
-    with pytest.raises(TypeError, match="both kernel="):
-        scaled_dot_product_attention(q, q, q, kernel="pytorch", backend="pytorch")
-
-    with pytest.warns(DeprecationWarning, match=r"override_sdpa\(\): backend= .*kernel='pytorch'") as rec:
-        with override_sdpa(stabilizer="safe", backend="pytorch"):
-            old = F.scaled_dot_product_attention(q, q, q, is_causal=True)
-    assert torch.equal(old, new) and rec[0].filename == __file__ and len(rec) == 1  # once, at the `with`
-    with pytest.raises(TypeError, match="both kernel="):
-        with override_sdpa(kernel="pytorch", backend="pytorch"):
-            pass
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="unknown kernel 'fast'"):
-        with override_sdpa(backend="fast"):
-            pass
-
-    with pytest.warns(DeprecationWarning, match="choose_backend is now called choose_kernel"):
-        assert fa.choose_backend(q, q, q, backend="triton") == choose_kernel(q, q, q, kernel="triton") == "triton"
-    with pytest.warns(DeprecationWarning, match="KERNEL_BACKENDS is now called KERNELS"):
-        assert fa.KERNEL_BACKENDS == KERNELS
-    with pytest.warns(DeprecationWarning, match="KERNEL_BACKENDS is now called KERNELS"):
-        assert fa.function.KERNEL_BACKENDS == KERNELS
+    opts = FlashOptions(precision="paper", stabilizer="safe", block_q=8, kernel="pytorch")
+    assert opts.precision == get_policy("paper") and opts.stabilizer.name == "safe"  # resolved once
+    assert opts.tiles() == (8, DEFAULT_BLOCK) and FlashOptions().tiles() == (DEFAULT_BLOCK, DEFAULT_BLOCK)
+    assert repr(opts) == "FlashOptions(precision='paper', stabilizer='safe', block_q=8, kernel='pytorch')"
+    by_kw = flash_attention(q, q, q, is_causal=True, precision="paper", stabilizer="safe", block_q=8,
+                            kernel="pytorch")
+    assert torch.equal(flash_attention(q, q, q, is_causal=True, options=opts), by_kw)
+    assert torch.equal(scaled_dot_product_attention(q, q, q, is_causal=True, options=opts), by_kw)
+    with override_sdpa(opts):
+        assert torch.equal(F.scaled_dot_product_attention(q, q, q, is_causal=True), by_kw)
+    changed = flash_attention(q, q, q, is_causal=True, options=opts, precision="fp32")
+    assert torch.equal(changed, flash_attention(q, q, q, is_causal=True, precision="fp32", stabilizer="safe",
+                                                block_q=8))
+    assert flash_options(opts, {"block_k": 4}) == opts.replace(block_k=4) != opts
+    assert flash_options(None, {"precision": "paper"}) is flash_options(None, {"precision": "paper"})  # cached
+    assert opts.capped(None) is opts and opts.capped(30.0).softcap == 30.0 and opts.capped(30.0) is opts.capped(30)
+    for kwargs, msg in [(dict(block_q=0), "block_q must be None or an integer >= 1"), (dict(kernel="cuda"), "unknown kernel"),
+                        (dict(softcap=0.0), "softcap must be a positive float"),
+                        (dict(precision="bf17"), "precision: unknown precision policy 'bf17'"),
+                        (dict(stabilizer="magic"), "stabilizer: unknown stabilizer 'magic'")]:
+        with pytest.raises(OptionError, match=msg) as e:
+            FlashOptions(**kwargs)
+        assert e.value.field == next(iter(kwargs))
+    with pytest.raises(TypeError, match=r"flash_attention\(\) got unknown option\(s\) \['backend'\]"):
+        flash_attention(q, q, q, backend="pytorch")
+    with pytest.raises(TypeError, match="options must be a FlashOptions"):
+        flash_attention(q, q, q, options="paper")
+    with pytest.raises(TypeError, match="unknown option"):
+        opts.replace(precison="fa2")
 
 
-def test_the_new_keyword_does_not_warn(recwarn):
+def test_keywords_do_not_warn(recwarn):
     q = torch.randn(1, 1, 8, 4)
     flash_attention(q, q, q, kernel="pytorch")
     flash_attention(q, q, q)

@@ -106,7 +106,7 @@ def test_the_lab_tries_the_scaled_pbar_on_fp8_only_and_files_it_under_its_arithm
         assert labels.index(f"fa2-{fmt}-pscaled / none") < labels.index(f"fa2-{fmt}[row_sum_rounded=True] / none")
         assert fix_family(f"fa2-{fmt}") == {f"fa2-{fmt}", f"fa2-{fmt}-pscaled"}
     for pol in ("fa2", "fa2-fp16", "paper"):
-        assert not any(a.policy.pbar_scale for a in fix_candidates(pol))
+        assert not any(a.precision.pbar_scale for a in fix_candidates(pol))
     assert fix_family("paper") == {"paper", "paper-fp32fwd"}
     # a policy already scaled, with the consistent row sum, is offered stabilizers only
     assert [a.stabilizer.name for a in fix_candidates("fa2-e4m3-pscaled")] == ["paper", "paper", "safe"]

@@ -104,8 +104,8 @@ def test_black_box_callable_and_floor():
     assert t.label == "sdpa_math"
     assert 0 < t.o_err.abs().max() < 0.05 and t.dq_err.abs().max() < 0.1
     fl = floor_arithmetic("fa2-e4m3")
-    assert str(fl.policy.inputs) == str(get_policy("fa2-e4m3").inputs) and str(fl.policy.output) == "bf16"
-    assert str(fl.policy.pv) == "fp32" and str(fl.policy.stats) == "fp32"
+    assert str(fl.precision.inputs) == str(get_policy("fa2-e4m3").inputs) and str(fl.precision.output) == "bf16"
+    assert str(fl.precision.pv) == "fp32" and str(fl.precision.stats) == "fp32"
 
 
 def test_bad_arguments_are_named():
@@ -116,40 +116,32 @@ def test_bad_arguments_are_named():
         trace(q[0], k, v, None, "fa2")
     with pytest.raises(TypeError, match="arithmetic must be"):
         trace(q, k, v, do, 3)
-    with pytest.raises(ValueError, match="Arithmetic.kernel must be one of"):
+    with pytest.raises(ValueError, match="unknown kernel 'cuda'"):
         Arithmetic.of("fa2", kernel="cuda")
     with pytest.raises(ValueError, match="unknown precision"):
         trace(q, k, v, do, "fa3")
+    with pytest.raises(ValueError, match="softcap=5.0, but the arithmetic's is 3.0"):
+        trace(q, k, v, do, Arithmetic.of("fa2", softcap=3.0), softcap=5.0)
 
 
-def test_backend_is_the_deprecated_name_of_kernel():
-    """Arithmetic's kernel was called backend: Arithmetic(..., backend=) and Arithmetic.of(..., backend=)
-    still build the same arithmetic with a DeprecationWarning naming kernel=, .backend reads .kernel
-    (warning), both at once is a TypeError; dataclasses.replace takes kernel=."""
-    import dataclasses
-    import flashguard.attention.trace as tr
+def test_arithmetic_holds_flash_options():
+    """An Arithmetic is FlashOptions on one kernel: Arithmetic.of builds them from names, auto is
+    measured on the PyTorch kernel with its default tiles made explicit, the options' own
+    soft-cap is the trace's, and trace takes FlashOptions as they are."""
+    from flashguard.attention import FlashOptions
 
     new = Arithmetic.of("paper", "safe", block_q=16, kernel="pytorch")
-    assert new.kernel == "pytorch" and Arithmetic.of("fa2") == Arithmetic(get_policy("fa2"))
-    with pytest.warns(DeprecationWarning, match=r"Arithmetic.of\(\): backend= is now called kernel=") as rec:
-        assert Arithmetic.of("paper", "safe", block_q=16, backend="pytorch") == new
-    assert rec[0].filename == __file__
-    with pytest.warns(DeprecationWarning, match=r"Arithmetic\(\): backend= is now called kernel=") as rec:
-        old = Arithmetic(new.policy, new.stabilizer, 16, 512, backend="pytorch")
-    assert old == new and hash(old) == hash(new) and rec[0].filename == __file__
-    with pytest.warns(DeprecationWarning, match="Arithmetic.backend is now called Arithmetic.kernel"):
-        assert new.backend == "pytorch"
-    with pytest.raises(TypeError, match="both kernel='pytorch' and backend='triton'"):
-        Arithmetic.of("fa2", kernel="pytorch", backend="triton")
-    with pytest.raises(TypeError, match="both kernel="):
-        Arithmetic(new.policy, kernel="pytorch", backend="pytorch")
-    assert dataclasses.replace(new, kernel="triton").kernel == "triton"
-    with pytest.raises(ValueError, match="Arithmetic.kernel must be one of"):
-        dataclasses.replace(new, kernel="auto")
-    with pytest.warns(DeprecationWarning, match="ARITH_BACKENDS is now called ARITH_KERNELS"):
-        assert tr.ARITH_BACKENDS == tr.ARITH_KERNELS == ("pytorch", "triton")
+    assert new.kernel == "pytorch" and (new.block_q, new.block_k) == (16, 512)
+    assert new == Arithmetic(FlashOptions(precision="paper", stabilizer="safe", block_q=16))
+    assert Arithmetic.of("fa2") == Arithmetic(FlashOptions(precision=get_policy("fa2")))
+    assert new.replace(kernel="triton").kernel == "triton" and new.replace(kernel="triton").block_k == 512
+    assert Arithmetic.of("fa2", kernel="triton").block_q is None  # the kernels' own tiles
+    assert new.label() == "paper / safe 16x512" and Arithmetic.of("fa2").label() == "fa2 / none"
+    with pytest.raises(TypeError, match="FlashOptions"):
+        Arithmetic("paper")
     q, k, v, do = _inputs(1, 1, 8, 8, 4)
-    with pytest.warns(DeprecationWarning):
-        old = Arithmetic.of("paper", "safe", block_q=4, block_k=4, backend="pytorch")
-    a, b = trace(q, k, v, do, old), trace(q, k, v, do, Arithmetic.of("paper", "safe", block_q=4, block_k=4))
-    assert a.label == b.label and torch.equal(a.o, b.o) and torch.equal(a.dq, b.dq)
+    opts = FlashOptions(precision="paper", stabilizer="safe", block_q=4, block_k=4, softcap=2.0)
+    a, b = trace(q, k, v, do, opts), trace(q, k, v, do, Arithmetic.of("paper", "safe", block_q=4, block_k=4),
+                                           softcap=2.0)
+    assert torch.equal(a.o, b.o) and torch.equal(a.dq, b.dq) and torch.equal(a.o_ref, b.o_ref)
+    assert a.label == "paper / safe 4x4 softcap=2" and b.label == "paper / safe 4x4"

@@ -76,7 +76,7 @@ def test_triton_kernels_audited_in_the_cpu_interpreter(monkeypatch):
     assert "fa2 / none 64x64 [triton] (Triton CPU interpreter)" in names
     assert not any("[triton]" in k.label() for k in builtin_kernels("cpu"))  # only when asked
     monkeypatch.setattr(audit, "audit_conditions", lambda quick, seed=0: [Problem(ties=2, n_rows=32)])
-    tri = next(k for k in kernels if getattr(k, "kernel", None) == "triton" and k.policy.name == "fa2")
+    tri = next(k for k in kernels if getattr(k, "kernel", None) == "triton" and k.precision.name == "fa2")
     res = run_audit([tri, Arithmetic.of("fa2", block_q=64, block_k=64)])
     a, b = (r for r in res["rows"])
     assert a["kernel"].endswith("(Triton CPU interpreter)")

@@ -143,7 +143,7 @@ def test_the_recipes_run(monkeypatch):
 
     model, x = Model(), torch.randn(1, 2, 16, 8, dtype=torch.bfloat16, requires_grad=True)
     exec(st.recipe_pytorch("paper-fp32fwd", "none"), {"model": model, "x": x})
-    assert calls and calls[0]["precision"] == "paper-fp32fwd" and x.grad is not None
+    assert calls and calls[0]["options"].precision.name == "paper-fp32fwd" and x.grad is not None
 
 
 def _repro_folder(d, lab: dict):
@@ -223,7 +223,7 @@ def test_the_hugging_face_recipe_runs(tmp_path, monkeypatch):
     x = torch.randint(0, 64, (2, 16))
     scope = {"NAME": str(tmp_path / "tiny"), "batch": {"input_ids": x, "labels": x}}
     exec(st.recipe_hf("paper-fp32fwd", "none"), scope)
-    assert calls and calls[0]["precision"] == "paper-fp32fwd"
+    assert calls and calls[0]["options"].precision.name == "paper-fp32fwd"
     assert scope["model"].dtype == torch.bfloat16 and torch.isfinite(scope["loss"])
 
 

@@ -264,24 +264,23 @@ def test_register_checks_its_options():
     assert "fg-test-bad" not in transformers.AttentionInterface()
 
 
-def test_register_backend_is_the_deprecated_name_of_kernel():
-    """register's kernel= was called backend=: still accepted, with a DeprecationWarning naming
-    kernel=, bound as kernel (the same logits); both at once is a TypeError."""
-    assert "kernel" in hf.OPTIONS and "backend" not in hf.OPTIONS
+def test_register_takes_flash_options():
+    """register binds a FlashOptions, given or built from keywords (the same logits either way);
+    a keyword that is not an option (backend=, kernel's old name, too) is a TypeError."""
+    from flashguard.attention import FlashOptions
     state, x = _weights("gpt2"), _tokens()
     hf.register(precision="fp32", name="fg-test-kernel", kernel="pytorch")
-    with pytest.warns(DeprecationWarning, match=r"register\(\): backend= is now called kernel=.*'pytorch'") as rec:
-        hf.register(precision="fp32", name="fg-test-backend", backend="pytorch")
-    assert rec[0].filename == __file__
+    hf.register(FlashOptions(precision="fp32", kernel="pytorch"), name="fg-test-options")
     with torch.no_grad():
         assert torch.equal(_model("gpt2", "fg-test-kernel", torch.bfloat16, state)(x).logits,
-                           _model("gpt2", "fg-test-backend", torch.bfloat16, state)(x).logits)
-    with pytest.raises(TypeError, match="both kernel="):
-        hf.register(name="fg-test-bad", kernel="pytorch", backend="pytorch")
+                           _model("gpt2", "fg-test-options", torch.bfloat16, state)(x).logits)
+    with pytest.raises(TypeError, match=r"register\(\) got unknown option\(s\) \['backend'\]"):
+        hf.register(name="fg-test-bad", backend="pytorch")
+    with pytest.raises(TypeError, match="softcap"):
+        hf.register(FlashOptions(softcap=30.0), name="fg-test-bad")
     with pytest.raises(ValueError, match="unknown kernel 'cuda'"):
         hf.register(name="fg-test-bad", kernel="cuda")
     assert "fg-test-bad" not in transformers.AttentionInterface()
-
 
 def test_default_name_is_one_transformers_looks_up():
     # transformers 5 reads any attn_implementation containing "flash" as a hub kernel request, so

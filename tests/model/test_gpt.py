@@ -265,25 +265,21 @@ def test_attention_spec_validation_and_names():
     assert spec.short_str().startswith("flash[fa2[delta_source=dp_p]")
 
 
-def test_backend_reference_is_the_deprecated_name_of_math():
-    """The fp32 math backend was called "reference": that name still builds the same spec, with a
-    DeprecationWarning naming the new one, wherever a spec is made (construction, replace,
-    per-layer changes), and the model computes bit for bit what "math" computes."""
-    from flashguard.model import BACKENDS
+def test_spec_holds_its_flash_options():
+    """A spec's flash fields are checked and resolved once into its FlashOptions (not a field it is
+    compared or saved by); an unknown backend (the old name "reference" too) is refused by field."""
+    from flashguard.attention import FlashOptions
+    from flashguard.model import BACKENDS, SpecError
+    from flashguard.numerics import get_policy
     assert BACKENDS == ("sdpa", "flash", "math")
-    with pytest.warns(DeprecationWarning, match=r"'reference' is now called 'math'.*backend = 'math'"):
-        old = AttentionSpec("reference")
-    assert old == AttentionSpec("math") and old.backend == "math" and old.short_str() == "math"
-    with pytest.warns(DeprecationWarning, match="'math'"):
-        assert dataclasses.replace(AttentionSpec("sdpa"), backend="reference") == AttentionSpec("math")
-    with pytest.warns(DeprecationWarning, match="'math'"):
-        specs = layer_specs(AttentionSpec("sdpa"), {1: {"backend": "reference"}}, 2)
-    assert specs == [AttentionSpec("sdpa"), AttentionSpec("math")]
-    with pytest.warns(DeprecationWarning):
-        logits, loss, grads = run_with(AttentionSpec("reference"))
-    new_logits, new_loss, new_grads = run_with(AttentionSpec("math"))
-    assert torch.equal(logits, new_logits) and torch.equal(loss, new_loss)
-    assert all(torch.equal(grads[n], new_grads[n]) for n in grads)
+    spec = AttentionSpec("flash", precision="paper", stabilizer="safe", block_q=64)
+    assert spec.options == FlashOptions(precision="paper", stabilizer="safe", block_q=64)
+    assert spec.options.precision is get_policy("paper") and "options" not in spec.settings()
+    assert dataclasses.replace(spec, precision="fp32").options.precision is get_policy("fp32")
+    assert spec == AttentionSpec("flash", precision="paper", stabilizer="safe", block_q=64)
+    with pytest.raises(SpecError, match="unknown backend 'reference'") as e:
+        AttentionSpec("reference")
+    assert e.value.field == "backend"
 
 
 # ---- loss terms and remedies ----------------------------------------------------------------
@@ -387,9 +383,9 @@ def test_softcap_is_passed_to_the_attention(monkeypatch):
         calls.append(("reference", softcap, dtype))
         return capped_math(q, k, v, dtype, softcap)
 
-    def fake_flash(q, k, v, *, softcap=None, **kw):
-        calls.append(("flash", softcap, kw["precision"]))
-        return capped_math(q, k, v, torch.float32, softcap).to(q.dtype)
+    def fake_flash(q, k, v, *, options, **kw):
+        calls.append(("flash", options.softcap, options.precision.name))
+        return capped_math(q, k, v, torch.float32, options.softcap).to(q.dtype)
 
     monkeypatch.setattr(attention_module, "reference_attention", fake_reference)
     monkeypatch.setattr(attention_module, "flash_attention", fake_flash)
@@ -676,6 +672,6 @@ def test_attention_spec_kernel_is_checked_and_reaches_flash_attention(monkeypatc
     monkeypatch.setattr(attention_module, "flash_attention", spy)
     model = GPT(MICRO, AttentionSpec("flash", precision="fp32", kernel="pytorch", block_q=8, block_k=16))
     model(torch.randint(0, MICRO.vocab_size, (1, 16)))
-    assert (seen["kernel"], seen["block_q"], seen["block_k"]) == ("pytorch", 8, 16)
+    assert (seen["options"].kernel, seen["options"].block_q, seen["options"].block_k) == ("pytorch", 8, 16)
     q = torch.randn(1, 2, 8, 16)
     assert AttentionSpec("flash", precision="fa2").kernel_for(q, q, q) == "pytorch"  # auto on CPU

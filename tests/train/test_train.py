@@ -197,11 +197,9 @@ def test_a_triton_kernel_where_it_cannot_run_is_refused_before_training(tiny_dat
 
 
 @pytest.mark.parametrize("change", ["attention.backend", "attention.layers.1.backend"])
-def test_an_old_runs_backend_reference_loads_and_trains_as_math(tiny_data, tmp_path, change):
-    """The math backend was called "reference": a run folder saved before the rename (its
-    config.toml says backend = "reference", for every layer or for one) loads with a
-    DeprecationWarning naming "math", as the same config, saves the new name, and trains
-    step for step the same losses."""
+def test_the_removed_backend_name_reference_is_refused_by_key(tiny_data, tmp_path, change):
+    """The math backend was called "reference" (removed in 0.2.0, CHANGELOG.md): a config.toml that
+    still says backend = "reference", for every layer or for one, is refused naming its key."""
     from flashguard.train.config import config_to_toml
     new_cfg = load_config(MICRO, micro_overrides(tiny_data, **{change: "math", "train.checkpoint_every": 0,
                                                                "train.eval_every": 0}))
@@ -210,9 +208,7 @@ def test_an_old_runs_backend_reference_loads_and_trains_as_math(tiny_data, tmp_p
     old_run = tmp_path / "old"
     old_run.mkdir()
     (old_run / "config.toml").write_text(text.replace('backend = "math"', 'backend = "reference"'))
-    with pytest.warns(DeprecationWarning, match=r"'reference' is now called 'math'"):
-        old_cfg = load_config(old_run / "config.toml")
-    assert old_cfg == new_cfg and config_to_toml(old_cfg) == text
-    train(new_cfg, tmp_path / "new")
-    train(old_cfg, tmp_path / "again")
-    assert _losses(tmp_path / "again") == _losses(tmp_path / "new")  # exact equality of floats
+    from flashguard.train import ConfigError
+    with pytest.raises(ConfigError, match="unknown backend 'reference'") as e:
+        load_config(old_run / "config.toml")
+    assert str(e.value).startswith(f"{change}: ")

@@ -1,8 +1,8 @@
 """flashguard's PyTorch flash attention as torch custom operators, so that torch.compile can
 capture a model that calls it (``torch.compile(model, fullgraph=True)``).
 
-``flashguard::flash_attention_fwd`` and ``flashguard::flash_attention_bwd`` wrap
-``flash.flash_forward`` / ``flash.flash_backward``; ``register_fake`` gives the compiler their
+``flashguard::flash_attention_fwd`` and ``flashguard::flash_attention_bwd`` run
+``options.run_forward`` / ``options.run_backward``, as the eager autograd Function does; ``register_fake`` gives the compiler their
 output shapes and dtypes without running them, and ``register_autograd`` connects the backward
 op. To the compiler they are opaque: the tiles, the Python loop over them and every rounding
 step run exactly as in eager mode, so compiled and eager results are bit-identical.
@@ -10,7 +10,8 @@ step run exactly as in eager mode, so compiled and eager results are bit-identic
 functions through an autograd.Function, without the operators' dispatch cost); they can be
 called directly, eagerly, too (``flash_attention_op``; tests/attention/test_compile.py).
 
-An operator takes tensors, numbers and strings only, so the arithmetic travels as text: the
+An operator takes tensors, numbers and strings only, so the options travel as text and
+numbers (the tiles, the soft-cap), made a FlashOptions again (and cached) inside the op: the
 policy as its ``short_str()`` (``"fa2"``, ``"paper[pv=fp32]"``) and the stabilizer as its
 option string (``"paper:beta=7.0,tol=0.001"``), both parsed back (and cached) inside the op.
 A policy or stabilizer that text cannot reproduce exactly (a user-defined Stabilizer class, a
@@ -31,11 +32,11 @@ import itertools
 
 import torch
 
-from ..numerics.arith import cast, rounding, storage_dtype
-from ..numerics.formats import FP32, FP64
+from ..numerics.arith import storage_dtype
 from ..numerics.policy import POLICIES, PrecisionPolicy, get_policy
 from .dropout import TileDropout
-from .flash import flash_backward, flash_forward
+from .options import (DEFAULT_PRECISION, DEFAULT_STABILIZER, FlashOptions, Forward, highp_dtype, run_backward,
+                      run_forward)
 from .stabilizers import NoStabilizer, PaperStabilizer, SafeStabilizer, Stabilizer, get_stabilizer
 
 __all__ = ["encode_policy", "encode_stabilizer", "decode_policy", "decode_stabilizer", "flash_attention_op"]
@@ -101,8 +102,11 @@ def _rounded_dtype(t: torch.Tensor, policy: PrecisionPolicy):
     return storage_dtype(fmt)
 
 
-def _hp_dtype(policy: PrecisionPolicy) -> torch.dtype:
-    return (FP64 if storage_dtype(policy.o_accum) == torch.float64 else FP32).torch_dtype
+@functools.lru_cache(maxsize=256)
+def _options(precision: str, stabilizer: str, block_q: int, block_k: int, softcap: float | None) -> FlashOptions:
+    """The FlashOptions an operator's arguments encode (the PyTorch kernel's)."""
+    return FlashOptions(precision=decode_policy(precision), stabilizer=decode_stabilizer(stabilizer),
+                        block_q=block_q, block_k=block_k, kernel="pytorch", softcap=softcap)
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
@@ -124,14 +128,9 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep:
                                                    torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (out in q's dtype, O in output storage or empty, lse, O high-precision or empty,
     q, k, v rounded to the input format or empty). ``seed``: (2,) int64 words, None without dropout."""
-    policy, stab = decode_policy(precision), decode_stabilizer(stabilizer)
-    with torch.autocast(q.device.type, enabled=False), rounding(policy.rounding):
-        qc, kc, vc = (cast(t, policy.inputs) for t in (q, k, v))
-        o, lse, o_hp = flash_forward(
-            qc, kc, vc, keep=keep, bias=bias, causal=causal, scale=scale, policy=policy,
-            stabilizer=stab, block_q=block_q, block_k=block_k,
-            keep_highp_o=policy.delta_source == "o_highp", softcap=softcap,
-            dropout=_dropout(seed, dropout_p, q))
+    options = _options(precision, stabilizer, block_q, block_k, softcap)
+    qc, kc, vc, _, o, lse, o_hp = run_forward(q, k, v, options, keep=keep, bias=bias, causal=causal, scale=scale,
+                                              dropout=_dropout(seed, dropout_p, q))
     out = o.to(q.dtype)
     # an op's outputs may not alias each other or its inputs: each extra output is either a
     # fresh tensor or empty (the backward then takes out, or the input itself)
@@ -158,7 +157,7 @@ def _(q, k, v, keep, bias, seed, causal, scale, precision, stabilizer, block_q, 
     out = q.new_empty((B, H, Tq, Dv))
     o = _empty(q) if o_dt == q.dtype else q.new_empty((B, H, Tq, Dv), dtype=o_dt)
     lse = q.new_empty((B, H, Tq, 1), dtype=lse_dt)
-    o_hp = q.new_empty((B, H, Tq, Dv), dtype=_hp_dtype(policy)) if policy.delta_source == "o_highp" else _empty(q)
+    o_hp = q.new_empty((B, H, Tq, Dv), dtype=highp_dtype(policy)) if policy.delta_source == "o_highp" else _empty(q)
     rounded = []
     for t in (q, k, v):
         dt = _rounded_dtype(t, policy)
@@ -174,16 +173,12 @@ def flash_attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                         block_k: int, softcap: float | None,
                         dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in q's, k's and v's dtypes from the forward op's inputs and outputs."""
-    policy = decode_policy(precision)
-    o_dt = storage_dtype(policy.output)
-    o = out if o_dt == out.dtype else o
+    options = _options(precision, "none", block_q, block_k, softcap)  # the backward has no stabilizer
+    policy = options.precision
+    o = out if storage_dtype(policy.output) == out.dtype else o
     qc, kc, vc = (t if _rounded_dtype(t, policy) is None else c for c, t in ((qc, q), (kc, k), (vc, v)))
-    with torch.autocast(do.device.type, enabled=False), rounding(policy.rounding):
-        dq, dk, dv = flash_backward(
-            qc, kc, vc, o, lse, do, o_hp if policy.delta_source == "o_highp" else None, keep=keep, bias=bias,
-            causal=causal, scale=scale, policy=policy, block_q=block_q, block_k=block_k, softcap=softcap,
-            dropout=_dropout(seed, dropout_p, q))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return run_backward(Forward(qc, kc, vc, None, o, lse, o_hp), do, options, keep=keep, bias=bias, causal=causal,
+                        scale=scale, dropout=_dropout(seed, dropout_p, q), dtypes=(q.dtype, k.dtype, v.dtype))
 
 
 @flash_attention_bwd.register_fake
@@ -213,7 +208,8 @@ flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attention_op(q, k, v, *, keep=None, bias=None, seed=None, causal: bool = False, scale: float,
-                       precision: "str | PrecisionPolicy" = "fa2", stabilizer: "str | Stabilizer" = "none",
+                       precision: "str | PrecisionPolicy" = DEFAULT_PRECISION,
+                       stabilizer: "str | Stabilizer" = DEFAULT_STABILIZER,
                        block_q: int, block_k: int, softcap: float | None = None,
                        dropout_p: float = 0.0) -> torch.Tensor:
     """The output of the forward op, differentiable in q, k and v (the other outputs serve the

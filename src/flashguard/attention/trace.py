@@ -15,8 +15,9 @@ reference is ``reference_attention`` in fp64 *on those rounded values*, with aut
 dQ, dK, dV, so the error is the arithmetic's own, not the input rounding's. delta_fp64 =
 rowsum(dO * O_fp64).
 
-The subject is either an ``Arithmetic`` (a precision policy, a stabilizer, tile sizes and
-the kernel that runs it: every intermediate is visible, delta is the one the backward pass
+The subject is either an ``Arithmetic`` (``FlashOptions`` - a precision policy, a stabilizer,
+tile sizes, a soft-cap - and the kernel that runs them, run through ``options.run_forward`` as
+flash_attention runs them: every intermediate is visible, delta is the one the backward pass
 uses, ties are counted per visited tile) or any attention callable ``fn(q, k, v) -> o``
 treated as a black box: q, k, v are passed in the dtype given, gradients come from its
 autograd, and delta is taken as production kernels take it, rowsum(dO * O) in fp32 from the
@@ -25,108 +26,101 @@ stored O (``Trace.delta_source`` says which).
 from __future__ import annotations
 
 import math
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..numerics.arith import cast, rounding
+from ..numerics.arith import cast
 from ..numerics.policy import PrecisionPolicy, get_policy
-from .flash import delta_preprocess, flash_backward, flash_forward
+from .flash import delta_preprocess
+from .options import (DEFAULT_BLOCK, DEFAULT_PRECISION, DEFAULT_STABILIZER, FlashOptions, arithmetic_context,
+                      cast_inputs, flash_options, run_backward, run_forward, split_mask)
 from .reference import reference_attention
-from .stabilizers import Stabilizer, count_true, get_stabilizer
+from .stabilizers import Stabilizer, count_true
 
 __all__ = ["Arithmetic", "Trace", "TieCounts", "trace", "floor_arithmetic", "ARITH_KERNELS"]
 
 # the kernels an Arithmetic runs on: flash_attention's KERNELS resolved ("auto" is a choice per call)
 ARITH_KERNELS = ("pytorch", "triton")
-
-
-def __getattr__(name):  # ARITH_BACKENDS, the old name of ARITH_KERNELS
-    if name == "ARITH_BACKENDS":
-        warnings.warn("flashguard.attention.trace.ARITH_BACKENDS is now called ARITH_KERNELS", DeprecationWarning,
-                      stacklevel=2)
-        return ARITH_KERNELS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _kernel_arg(where: str, kernel, backend, stacklevel: int) -> str:
-    """``kernel`` (None: not given, "pytorch"), or its old name ``backend`` with a DeprecationWarning;
-    both given is a TypeError."""
-    if backend is None:
-        return "pytorch" if kernel is None else kernel
-    if kernel is not None:
-        raise TypeError(f"{where} got both kernel={kernel!r} and backend={backend!r}; backend= is the old name "
-                        "of kernel=: pass kernel= only")
-    warnings.warn(f"{where}: backend= is now called kernel= (pytorch | triton): write kernel={backend!r}",
-                  DeprecationWarning, stacklevel=stacklevel + 1)
-    return backend
 # rows of the fp64 reference computed at once: bounds its (rows x T_k) score and probability
 # matrices and their autograd buffers to a few hundred MB
 _REF_CHUNK_ENTRIES = 1 << 24
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True)
 class Arithmetic:
-    """A flash-attention arithmetic: precision policy, stabilizer, tiles and the kernel that runs it
-    (``pytorch`` or ``triton``). ``backend=`` is the old name of ``kernel=`` (a DeprecationWarning;
-    both at once is a TypeError), and ``.backend`` of ``.kernel``."""
+    """A flash-attention arithmetic: ``FlashOptions`` on one kernel, ``pytorch`` or ``triton``.
 
-    policy: PrecisionPolicy
-    stabilizer: Stabilizer = field(default_factory=lambda: get_stabilizer("none"))
-    block_q: int = 512
-    block_k: int = 512
-    kernel: str = "pytorch"
+    Made from options (``Arithmetic(options)``) or from a precision and a stabilizer
+    (``Arithmetic.of("paper", "safe", block_q=64)``). Options whose kernel is ``auto`` are
+    measured on the PyTorch kernel, the one whose every intermediate trace sees (``auto`` is
+    flash_attention's choice per call), and its unset tiles are DEFAULT_BLOCK; on Triton unset
+    tiles are the kernels' own. ``precision``, ``stabilizer``, ``block_q``, ``block_k``,
+    ``kernel`` and ``softcap`` read the options."""
 
-    def __init__(self, policy, stabilizer=None, block_q: int = 512, block_k: int = 512, kernel: str | None = None,
-                 *, backend: str | None = None):
-        # the dataclass's own __init__, written out for the old keyword backend= (frozen: object.__setattr__)
-        kernel = _kernel_arg("Arithmetic()", kernel, backend, stacklevel=2)
-        stabilizer = get_stabilizer("none") if stabilizer is None else stabilizer
-        for name, value in (("policy", policy), ("stabilizer", stabilizer), ("block_q", block_q),
-                            ("block_k", block_k), ("kernel", kernel)):
-            object.__setattr__(self, name, value)
-        self.__post_init__()
-
-    @property
-    def backend(self) -> str:
-        """Deprecated: the old name of ``kernel``."""
-        warnings.warn("Arithmetic.backend is now called Arithmetic.kernel", DeprecationWarning, stacklevel=2)
-        return self.kernel
+    options: FlashOptions
 
     def __post_init__(self):
-        if not isinstance(self.policy, PrecisionPolicy):
-            object.__setattr__(self, "policy", get_policy(self.policy))
-        if not isinstance(self.stabilizer, Stabilizer):
-            object.__setattr__(self, "stabilizer", get_stabilizer(self.stabilizer))
-        for name in ("block_q", "block_k"):
-            b = getattr(self, name)
-            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-                raise ValueError(f"Arithmetic.{name} must be an integer >= 1, got {b!r}")
-        if self.kernel not in ARITH_KERNELS:
-            raise ValueError(f"Arithmetic.kernel must be one of {ARITH_KERNELS}, got {self.kernel!r}")
+        opts = self.options
+        if not isinstance(opts, FlashOptions):
+            raise TypeError(f"Arithmetic(options) takes a FlashOptions, got {type(opts).__name__} "
+                            "(Arithmetic.of(precision, stabilizer, ...) makes one from names)")
+        if opts.kernel == "auto":
+            opts = opts.replace(kernel="pytorch")
+        if opts.kernel == "pytorch" and (opts.block_q is None or opts.block_k is None):
+            opts = opts.replace(block_q=opts.tiles()[0], block_k=opts.tiles()[1])
+        object.__setattr__(self, "options", opts)
 
     @classmethod
-    def of(cls, precision="fa2", stabilizer="none", *, block_q: int = 512, block_k: int = 512,
-           kernel: str | None = None, backend: str | None = None) -> "Arithmetic":
-        """``Arithmetic`` from a preset name (or policy) and a stabilizer name (or Stabilizer);
-        ``kernel`` "pytorch" (default) or "triton" (``backend=``: its old name, deprecated)."""
-        kernel = _kernel_arg("Arithmetic.of()", kernel, backend, stacklevel=2)
-        return cls(get_policy(precision), get_stabilizer(stabilizer), block_q, block_k, kernel)
+    def of(cls, precision: "str | PrecisionPolicy" = DEFAULT_PRECISION,
+           stabilizer: "str | Stabilizer" = DEFAULT_STABILIZER, **fields) -> "Arithmetic":
+        """``Arithmetic`` from a precision (a preset name or PrecisionPolicy) and a stabilizer (a
+        name or Stabilizer); ``fields``: the other FlashOptions (block_q, block_k, kernel, softcap)."""
+        return cls(flash_options(None, {"precision": precision, "stabilizer": stabilizer, **fields},
+                                 where="Arithmetic.of()"))
+
+    def replace(self, **fields) -> "Arithmetic":
+        """This arithmetic with some options changed (``kernel="pytorch"``, ...)."""
+        return Arithmetic(self.options.replace(**fields))
+
+    @property
+    def precision(self) -> PrecisionPolicy:
+        return self.options.precision
+
+    @property
+    def stabilizer(self) -> Stabilizer:
+        return self.options.stabilizer
+
+    @property
+    def block_q(self) -> int | None:
+        return self.options.block_q
+
+    @property
+    def block_k(self) -> int | None:
+        return self.options.block_k
+
+    @property
+    def kernel(self) -> str:
+        return self.options.kernel
+
+    @property
+    def softcap(self) -> float | None:
+        return self.options.softcap
 
     def label(self) -> str:
-        tiles = "" if (self.block_q, self.block_k) == (512, 512) else f" {self.block_q}x{self.block_k}"
+        tiles = "" if {self.block_q, self.block_k} <= {None, DEFAULT_BLOCK} else f" {self.block_q}x{self.block_k}"
         kernel = "" if self.kernel == "pytorch" else f" [{self.kernel}]"
-        return f"{self.policy.short_str()} / {self.stabilizer}{tiles}{kernel}"
+        cap = "" if self.softcap is None else f" softcap={self.softcap:g}"
+        return f"{self.precision.short_str()} / {self.stabilizer}{tiles}{cap}{kernel}"
 
 
-def floor_arithmetic(policy: "PrecisionPolicy | str") -> Arithmetic:
-    """The noise floor of ``policy``: every intermediate fp32, the same input and output formats.
+def floor_arithmetic(precision: "PrecisionPolicy | str") -> Arithmetic:
+    """The noise floor of ``precision``: every intermediate fp32, the same input and output formats.
     Its error is the rounding of O (and of the gradients) to the output format and nothing
     else, so a bias above it belongs to the arithmetic."""
-    p = get_policy(policy)
+    p = get_policy(precision)
     fp32 = get_policy("fp32")
-    return Arithmetic(fp32.replace(name="floor", inputs=p.inputs, output=p.output), get_stabilizer("none"))
+    return Arithmetic.of(fp32.replace(name="floor", inputs=p.inputs, output=p.output))
 
 
 @dataclass
@@ -251,47 +245,41 @@ def _reference(q, k, v, do, *, attn_mask, causal, scale, softcap, grads):
     return {n: (torch.cat(x) if x else None) for n, x in outs.items()}
 
 
-def _split_mask(attn_mask):
-    if attn_mask is None:
-        return None, None
-    return (attn_mask, None) if attn_mask.dtype == torch.bool else (None, attn_mask)
-
-
-def _run_arithmetic(a: Arithmetic, q, k, v, do, *, attn_mask, causal, scale, softcap, grads):
-    policy = a.policy
-    with torch.no_grad(), torch.autocast(q.device.type, enabled=False), rounding(policy.rounding):
-        qc, kc, vc = (cast(t.detach(), policy.inputs) for t in (q, k, v))
-        doc = None if do is None else cast(do.detach(), policy.inputs)
-        keep, bias = _split_mask(attn_mask)
-        out = {"inputs": (qc, kc, vc, doc)}
+def _run_arithmetic(a: Arithmetic, q, k, v, do, *, attn_mask, causal, scale, grads):
+    opts = a.options
+    policy = opts.precision
+    keep, bias = split_mask(attn_mask)
+    block_q, block_k = opts.tiles()
+    delta_args = dict(keep=keep, bias=bias, causal=causal, scale=scale, policy=policy, block_q=block_q,
+                      block_k=block_k, softcap=opts.softcap)
+    with torch.no_grad():
         if a.kernel == "triton":
             from .triton_flash import triton_flash_attention
-            fn = lambda q_, k_, v_: triton_flash_attention(  # noqa: E731
-                q_, k_, v_, is_causal=causal, scale=scale, stabilizer=a.stabilizer, precision=policy,
-                attn_mask=attn_mask, softcap=softcap, block_m=a.block_q, block_n=a.block_k)
-            o, grads_ = _black_box(fn, qc, kc, vc, doc, grads)
-            out.update(o=o, dq=grads_[0], dk=grads_[1], dv=grads_[2], delta_source=policy.delta_source)
-            if doc is not None:
-                out["delta"] = delta_preprocess(qc, kc, vc, cast(o, policy.output), None, doc, None, keep=keep,
-                                                bias=bias, causal=causal, scale=scale, policy=policy,
-                                                block_q=a.block_q, block_k=a.block_k, softcap=softcap)
+            with arithmetic_context(policy, q.device):
+                qc, kc, vc, doc = cast_inputs(policy, q.detach(), k.detach(), v.detach(),
+                                              None if do is None else do.detach())
+                fn = lambda q_, k_, v_: triton_flash_attention(  # noqa: E731
+                    q_, k_, v_, is_causal=causal, scale=scale, stabilizer=opts.stabilizer, precision=policy,
+                    attn_mask=attn_mask, softcap=opts.softcap, block_m=a.block_q, block_n=a.block_k)
+                o, grads_ = _black_box(fn, qc, kc, vc, doc, grads)
+                out = {"inputs": (qc, kc, vc, doc), "o": o, "dq": grads_[0], "dk": grads_[1], "dv": grads_[2],
+                       "delta_source": policy.delta_source}
+                if doc is not None:
+                    out["delta"] = delta_preprocess(qc, kc, vc, cast(o, policy.output), None, doc, None, **delta_args)
             return out
-        counter = _TieCounter(q.shape[:-1], causal, policy, a.stabilizer, q.device)
-        keep_hp = policy.delta_source == "o_highp"
-        o, lse, o_hp = flash_forward(qc, kc, vc, keep=keep, bias=bias, causal=causal, scale=scale, policy=policy,
-                                     stabilizer=a.stabilizer, block_q=a.block_q, block_k=a.block_k,
-                                     keep_highp_o=keep_hp, softcap=softcap, observe=counter)
-        out.update(o=o, lse=lse.squeeze(-1), ties=counter.counts, delta_source=policy.delta_source)
-        if doc is not None:
-            out["delta"] = delta_preprocess(qc, kc, vc, o, lse, doc, o_hp, keep=keep, bias=bias, causal=causal,
-                                            scale=scale, policy=policy, block_q=a.block_q, block_k=a.block_k,
-                                            softcap=softcap)
+        counter = _TieCounter(q.shape[:-1], causal, policy, opts.stabilizer, q.device)
+        fwd = run_forward(q.detach(), k.detach(), v.detach(), opts, keep=keep, bias=bias, causal=causal, scale=scale,
+                          observe=counter, do=None if do is None else do.detach())
+        out = {"inputs": (fwd.q, fwd.k, fwd.v, fwd.do), "o": fwd.o, "lse": fwd.lse.squeeze(-1), "ties": counter.counts,
+               "delta_source": policy.delta_source}
+        if fwd.do is not None:
+            with arithmetic_context(policy, q.device):
+                out["delta"] = delta_preprocess(fwd.q, fwd.k, fwd.v, fwd.o, fwd.lse, fwd.do, fwd.o_highp, **delta_args)
             if grads:
-                dq, dk, dv = flash_backward(qc, kc, vc, o, lse, doc, o_hp, keep=keep, bias=bias, causal=causal,
-                                            scale=scale, policy=policy, block_q=a.block_q, block_k=a.block_k,
-                                            softcap=softcap)
                 # what training hands on: the gradients in the dtype the inputs had
-                out.update(dq=dq.to(q.dtype), dk=dk.to(k.dtype), dv=dv.to(v.dtype))
+                dq, dk, dv = run_backward(fwd, fwd.do, opts, keep=keep, bias=bias, causal=causal, scale=scale,
+                                          dtypes=(q.dtype, k.dtype, v.dtype))
+                out.update(dq=dq, dk=dk, dv=dv)
     return out
 
 
@@ -308,16 +296,18 @@ def _black_box(fn, q, k, v, do, grads):
     return o.detach(), g
 
 
-def trace(q, k, v, do=None, arithmetic: "Arithmetic | str | object" = "fa2", *, causal: bool = False,
-          scale: float | None = None, attn_mask: torch.Tensor | None = None, softcap: float | None = None,
-          grads: bool = True, label: str | None = None) -> Trace:
+def trace(q, k, v, do=None, arithmetic: "Arithmetic | FlashOptions | str | object" = DEFAULT_PRECISION, *,
+          causal: bool = False, scale: float | None = None, attn_mask: torch.Tensor | None = None,
+          softcap: float | None = None, grads: bool = True, label: str | None = None) -> Trace:
     """Run ``arithmetic`` on (q, k, v) and, given ``do``, its backward; compare with fp64.
 
     q: (B, H, T_q, D), k: (B, H, T_k, D), v: (B, H, T_k, D_v), do: (B, H, T_q, D_v) or None.
-    ``arithmetic``: an ``Arithmetic``, a precision preset name (no stabilizer, 512-tiles) or a
-    callable ``fn(q, k, v) -> o`` (a black box; ``causal``, ``attn_mask`` and ``scale`` are then
-    only given to the reference, so the callable must apply the same ones). ``grads=False``
-    skips the gradients (delta is still measured given ``do``).
+    ``arithmetic``: an ``Arithmetic``, ``FlashOptions`` (``Arithmetic(options)``), a precision
+    (a preset name or PrecisionPolicy: no stabilizer, 512-tiles) or a callable ``fn(q, k, v) -> o``
+    (a black box; ``causal``, ``attn_mask``, ``scale`` and ``softcap`` are then only given to the
+    reference, so the callable must apply the same ones). ``softcap``: None = the arithmetic's
+    own; given, it is the arithmetic's (ValueError where the arithmetic has another).
+    ``grads=False`` skips the gradients (delta is still measured given ``do``).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point():
@@ -326,13 +316,19 @@ def trace(q, k, v, do=None, arithmetic: "Arithmetic | str | object" = "fa2", *, 
     if do is not None and (not isinstance(do, torch.Tensor) or do.shape != (*q.shape[:-1], v.shape[-1])):
         raise ValueError(f"trace: do must have shape (B, H, T_q, D_v) = {(*q.shape[:-1], v.shape[-1])}, "
                          f"got {getattr(do, 'shape', type(do).__name__)}")
-    if isinstance(arithmetic, str):
+    if isinstance(arithmetic, (str, PrecisionPolicy)):
         arithmetic = Arithmetic.of(arithmetic)
+    elif isinstance(arithmetic, FlashOptions):
+        arithmetic = Arithmetic(arithmetic)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if isinstance(arithmetic, Arithmetic):
-        got = _run_arithmetic(arithmetic, q, k, v, do, attn_mask=attn_mask, causal=causal, scale=scale,
-                              softcap=softcap, grads=grads)
+        if softcap is None:
+            softcap = arithmetic.softcap
+        elif arithmetic.softcap not in (None, softcap):
+            raise ValueError(f"trace: softcap={softcap!r}, but the arithmetic's is {arithmetic.softcap!r}")
         name = label or arithmetic.label()
+        got = _run_arithmetic(Arithmetic(arithmetic.options.capped(softcap)), q, k, v, do, attn_mask=attn_mask,
+                              causal=causal, scale=scale, grads=grads)
     elif callable(arithmetic):
         o, g = _black_box(arithmetic, q, k, v, do, grads)
         got = {"o": o, "dq": g[0], "dk": g[1], "dv": g[2], "inputs": (q, k, v, do)}

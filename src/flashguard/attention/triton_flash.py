@@ -35,6 +35,7 @@ import torch
 
 from ..numerics.policy import PrecisionPolicy, get_policy
 from .dropout import check_dropout_p, draw_seed, keep_scale, threshold
+from .options import DEFAULT_PRECISION, DEFAULT_STABILIZER
 from .stabilizers import (SAFE_DELTA_MIN, SAFE_DELTA_SPAN, NoStabilizer, PaperStabilizer, SafeStabilizer,
                           Stabilizer, get_stabilizer)
 
@@ -113,7 +114,7 @@ def _block(name, value):
     return int(value)
 
 
-def triton_unsupported_settings(*, precision="fa2", stabilizer="none", block_q=None, block_k=None, attn_mask=None,
+def triton_unsupported_settings(*, precision=DEFAULT_PRECISION, stabilizer=DEFAULT_STABILIZER, block_q=None, block_k=None, attn_mask=None,
                                 softcap=None, dropout_p=0.0) -> str | None:
     """Why the triton kernel cannot run these settings, whatever the tensors (None when it can):
     masks, soft-capping, a policy that is not fa2-structured, a stabilizer it lacks, tiles that are
@@ -147,8 +148,9 @@ def triton_device_problem(device) -> str | None:
     return None
 
 
-def triton_unsupported(q, k, v, *, attn_mask=None, softcap=None, precision="fa2", stabilizer="none",
-                       block_q=None, block_k=None, need_device=True, dropout_p=0.0) -> str | None:
+def triton_unsupported(q, k, v, *, attn_mask=None, softcap=None, precision=DEFAULT_PRECISION,
+                       stabilizer=DEFAULT_STABILIZER, block_q=None, block_k=None, need_device=True,
+                       dropout_p=0.0) -> str | None:
     """Why the triton kernel cannot run this call (None when it can). ``need_device``: also
     require CUDA tensors (or the interpreter) and an importable triton."""
     reason = triton_unsupported_settings(precision=precision, stabilizer=stabilizer, block_q=block_q,

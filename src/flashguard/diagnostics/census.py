@@ -31,23 +31,22 @@ sequence share its keys, so the row z is the optimistic one and ``o_err_z`` / ``
 
 Which keys are tied needs the scores as the arithmetic rounded them, which ``trace`` does not
 return (it counts ties per row only). So the census runs the arithmetic's forward once more on
-the trace's rounded inputs (PyTorch kernel, same policy, stabilizer and tiles; no backward)
+the trace's rounded inputs (``options.run_forward``, as trace runs it: PyTorch kernel, same
+policy, stabilizer and tiles; no backward)
 and reads every tile through flash_forward's ``observe`` hook, the same hook trace counts ties
 through. Under a stochastic-rounding policy that forward draws its own roundings.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from .. import keys
 from ..attention.error_stats import BiasStats, bias_stats, unit_means
-from ..attention.flash import flash_forward
+from ..attention.options import run_forward
 from ..attention.stabilizers import count_true
 from ..attention.trace import Arithmetic
-from ..numerics.arith import rounding
 
 __all__ = ["TiedKeys", "tied_keys", "row_bias", "census_metrics"]
 
@@ -110,13 +109,12 @@ class _TiedKeyCounter:
 
 def tied_keys(q, k, v, arithmetic: Arithmetic, *, causal: bool, scale: float, softcap: float | None = None) -> TiedKeys:
     """The tied keys of every (row, key tile) pair of ``arithmetic`` on (q, k, v), already rounded to
-    its input format (``Trace.inputs``); the forward pass only, on the PyTorch kernel."""
-    a = arithmetic if arithmetic.kernel == "pytorch" else dataclasses.replace(arithmetic, kernel="pytorch")
+    its input format (``Trace.inputs``); the forward pass only, on the PyTorch kernel (``softcap``:
+    None = the arithmetic's own)."""
+    a = arithmetic if arithmetic.kernel == "pytorch" else arithmetic.replace(kernel="pytorch")
     counter = _TiedKeyCounter(v, causal)
-    with torch.no_grad(), torch.autocast(q.device.type, enabled=False), rounding(a.policy.rounding):
-        flash_forward(q, k, v, keep=None, bias=None, causal=causal, scale=scale, policy=a.policy,
-                      stabilizer=a.stabilizer, block_q=a.block_q, block_k=a.block_k, softcap=softcap,
-                      observe=counter)
+    with torch.no_grad():
+        run_forward(q, k, v, a.options.capped(softcap), causal=causal, scale=scale, observe=counter, rounded=True)
     return counter.counts
 
 

@@ -72,7 +72,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import keys
-from ..attention import DEFAULT_BLOCK, choose_kernel, get_stabilizer
+from ..attention import FlashOptions, choose_kernel, get_stabilizer
 from ..attention.error_stats import bias_stats, unit_means
 from ..attention.reference import causal_mask, reference_attention
 from ..attention.trace import Arithmetic, Trace, trace
@@ -160,13 +160,13 @@ class Shadow:
 def _resolve(cap: LayerCapture, precision, stabilizer):
     """The policy and stabilizer the layer trains with (or the explicit ones); (None, None)
     for a layer whose backend is not flash and no explicit precision."""
-    spec = cap.spec
+    flash = cap.spec.options if (cap.spec is not None and cap.backend == "flash") else None
     if precision is None:
-        if cap.backend != "flash" or spec is None:
+        if flash is None:
             return None, None
-        precision = spec.precision
+        precision = flash.precision
     if stabilizer is None:
-        stabilizer = spec.stabilizer if (spec is not None and cap.backend == "flash") else "none"
+        stabilizer = "none" if flash is None else flash.stabilizer
     return get_policy(precision), get_stabilizer(stabilizer)
 
 
@@ -177,14 +177,14 @@ def _trained_arithmetic(cap: LayerCapture, policy, stab) -> Arithmetic:
     Under the triton kernel, ties and Pbar == 1 are counted on the PyTorch path at the same tiles."""
     spec = cap.spec
     block_q, block_k = getattr(spec, "block_q", None), getattr(spec, "block_k", None)
-    kernel = "pytorch"
-    if cap.backend == "flash" and spec is not None and getattr(spec, "delta_hook", None) is None:
-        kernel = choose_kernel(cap.q, cap.k, cap.v, precision=policy, stabilizer=stab, block_q=block_q,
-                               block_k=block_k, softcap=cap.softcap, kernel=getattr(spec, "kernel", "auto"))
-    if kernel == "triton":
-        head_dim = max(cap.q.shape[-1], cap.v.shape[-1])
-        block_q, block_k = forward_tiles(head_dim, policy.inputs.torch_dtype, block_q, block_k)
-    return Arithmetic(policy, stab, block_q=block_q or DEFAULT_BLOCK, block_k=block_k or DEFAULT_BLOCK, kernel=kernel)
+    opts = FlashOptions(precision=policy, stabilizer=stab, block_q=block_q, block_k=block_k, kernel="pytorch")
+    if cap.backend == "flash" and spec is not None and spec.delta_hook is None:
+        kernel = choose_kernel(cap.q, cap.k, cap.v, opts.replace(kernel=spec.kernel).capped(cap.softcap))
+        if kernel == "triton":
+            head_dim = max(cap.q.shape[-1], cap.v.shape[-1])
+            block_q, block_k = forward_tiles(head_dim, policy.inputs.torch_dtype, block_q, block_k)
+            opts = opts.replace(block_q=block_q, block_k=block_k, kernel="triton")
+    return Arithmetic(opts)
 
 
 def _scores64(q, k, *, causal: bool, scale: float, softcap: float | None):
@@ -220,7 +220,7 @@ def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = T
                       grads=grad)
             if t.ties is None:  # the triton kernel does not expose its tiles' maxima: count them on the
                 # PyTorch path with the same policy, stabilizer and tiles (forward only)
-                counted = trace(cap.q, cap.k, cap.v, None, dataclasses.replace(arith, kernel="pytorch"),
+                counted = trace(cap.q, cap.k, cap.v, None, arith.replace(kernel="pytorch"),
                                 causal=cap.causal, scale=scale, softcap=cap.softcap, grads=False)
                 t = dataclasses.replace(t, ties=counted.ties)
             q_in, k_in, v_in, _ = t.inputs

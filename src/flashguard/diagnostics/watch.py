@@ -35,9 +35,10 @@ Layer identity (the ``L<i>`` of the keys):
 
 What the probes measure: the SDPA kernel torch picked is a black box, so the numerics are the
 captured inputs run once more in a flash arithmetic whose every rounding is known, next to
-fp64. ``precision`` chooses it (a policy name, e.g. ``"paper"`` for the study's reference code);
-by default the production arithmetic of the inputs' dtype: ``fa2`` for bf16, ``fa2-fp16`` for
-fp16, ``fp32`` / ``fp64`` for those. ``subsample`` is the number of sequences (batch entries)
+fp64. ``precision`` chooses it (a policy name, e.g. ``"paper"`` for the study's reference code;
+or ``options``, a FlashOptions, with its stabilizer: the PyTorch kernel at its default tiles
+measures it); by default the production arithmetic of the inputs' dtype: ``fa2`` for bf16,
+``fa2-fp16`` for fp16, ``fp32`` / ``fp64`` for those. ``subsample`` is the number of sequences (batch entries)
 measured per layer (each with all its rows: the rows of a sequence share its keys and values,
 and one value per (sequence, head) is the unit of the z statistics); None measures all.
 
@@ -150,6 +151,26 @@ def _mask_as_causal(mask: torch.Tensor | None, is_causal: bool, t_q: int, t_k: i
     return None
 
 
+def _measured_options(options, precision, stabilizer):
+    """(the FlashOptions the probes measure in, whether its precision is chosen by each call's input
+    dtype): ``options`` with ``precision`` / ``stabilizer`` changed where given. The probes run the
+    PyTorch kernel at its default tiles on the call's own inputs (SDPA has no soft-cap), so options
+    that set tiles, a kernel or a soft-cap are refused rather than silently not used."""
+    from ..attention.options import OptionError, flash_options
+    fields = {name: value for name, value in (("precision", precision), ("stabilizer", stabilizer))
+              if value is not None}
+    try:
+        opts = flash_options(options, fields, where="flashguard.watch")
+    except OptionError as e:
+        raise ValueError(f"flashguard.watch: {e}") from None
+    unused = [f"{name}={getattr(opts, name)!r}" for name in ("block_q", "block_k", "softcap")
+              if getattr(opts, name) is not None] + ([f"kernel={opts.kernel!r}"] if opts.kernel == "triton" else [])
+    if unused:
+        raise ValueError(f"flashguard.watch measures on the PyTorch kernel at its default tiles, without a soft-cap: "
+                         f"{', '.join(unused)} would not be used")
+    return opts, options is None and precision is None
+
+
 class Watch:
     """See the module docstring. Built by ``flashguard.watch(...)``; a context manager (leaving
     it closes the watch) or ``close()`` by hand.
@@ -159,14 +180,16 @@ class Watch:
     the step number call ``begin_step(step)`` / ``end_step()`` instead."""
 
     def __init__(self, model: nn.Module, *, layers=None, every: int = DEFAULT_EVERY, log_dir=None,
-                 precision=None, stabilizer="none", subsample: int | None = DEFAULT_SUBSAMPLE, start: int = 0,
-                 optimizer=None, grad_scale: float = 1.0, tensorboard: bool | None = None, loggers=(),
-                 log_fn=None, enabled: bool | None = None, arm: bool = True):
+                 precision=None, stabilizer=None, options=None, subsample: int | None = DEFAULT_SUBSAMPLE,
+                 start: int = 0, optimizer=None, grad_scale: float = 1.0, tensorboard: bool | None = None,
+                 loggers=(), log_fn=None, enabled: bool | None = None, arm: bool = True):
         from ..train.loggers import Console, Loggers
 
-        self._check_options(every=every, subsample=subsample, precision=precision, stabilizer=stabilizer)
+        self.options, self.by_dtype = self._check_options(every=every, subsample=subsample, precision=precision,
+                                                          stabilizer=stabilizer, options=options)
+        self._by_dtype: dict = {}
         self.model = model
-        self.every, self.precision, self.stabilizer, self.subsample = every, precision, stabilizer, subsample
+        self.every, self.subsample = every, subsample
         self.grad_scale = float(grad_scale)
         self.layers, self._modules, self.layer_names = _resolve_layers(model, layers)
         if enabled is None:
@@ -192,18 +215,23 @@ class Watch:
             self.begin_step(self.step_index)
 
     @staticmethod
-    def _check_options(*, every, subsample, precision, stabilizer) -> None:
-        """ValueError for a bad option: at construction, not at the first probe step."""
-        from ..attention.stabilizers import get_stabilizer
-        from ..numerics.policy import get_policy
+    def _check_options(*, every, subsample, precision=None, stabilizer=None, options=None):
+        """ValueError for a bad option: at construction, not at the first probe step. Returns
+        ``_measured_options``' (FlashOptions, by input dtype)."""
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"flashguard.watch: every must be an integer >= 1, got {every!r}")
         if subsample is not None and (isinstance(subsample, bool) or not isinstance(subsample, int) or subsample < 1):
             raise ValueError(f"flashguard.watch: subsample (sequences per layer) must be an integer >= 1 or None, "
                              f"got {subsample!r}")
-        if precision is not None:
-            get_policy(precision)
-        get_stabilizer(stabilizer)
+        return _measured_options(options, precision, stabilizer)
+
+    def options_for(self, dtype: torch.dtype):
+        """The FlashOptions a captured call of inputs ``dtype`` is measured in."""
+        if not self.by_dtype:
+            return self.options
+        if dtype not in self._by_dtype:
+            self._by_dtype[dtype] = self.options.replace(precision=default_precision(dtype))
+        return self._by_dtype[dtype]
 
     def _file_loggers(self, tensorboard):
         from ..train.config import ConfigError
@@ -213,8 +241,9 @@ class Watch:
         layer_map = ({f"L{i}": n for i, n in sorted(self.layer_names.items())} if self.layer_names
                      else "SDPA call order within one forward (L0 = first call)")
         atomic_write_json(self.log_dir / "watch.json", {
-            "every": self.every, "start": self.step_index, "precision": self.precision or "by input dtype",
-            "stabilizer": str(self.stabilizer), "subsample_sequences": self.subsample,
+            "every": self.every, "start": self.step_index,
+            "precision": "by input dtype" if self.by_dtype else self.options.precision.short_str(),
+            "stabilizer": str(self.options.stabilizer), "subsample_sequences": self.subsample,
             "layers": layer_map if self.layers is None or self.layer_names
             else {"indices": self.layers, "identity": layer_map}})
         out = [JsonlMetrics(self.log_dir / "metrics.jsonl")]
@@ -265,8 +294,9 @@ class Watch:
             record[keys.LOSS_TRAIN] = float(loss.detach().float()) if isinstance(loss, torch.Tensor) else float(loss)
         try:
             for c in self._layer_captures(cap.calls):
-                record.update(probe_layer(c, state=self.state, precision=self.precision or default_precision(c.q.dtype),
-                                          stabilizer=self.stabilizer, grad=False))
+                opts = self.options_for(c.q.dtype)
+                record.update(probe_layer(c, state=self.state, precision=opts.precision,
+                                          stabilizer=opts.stabilizer, grad=False))
             self.state.step = step
         except Exception as e:  # the probes must never stop a training run
             record[keys.DIAGNOSTICS_FAILED] = 1.0
@@ -389,7 +419,8 @@ def watch(model: nn.Module, layers=None, every: int = DEFAULT_EVERY, log_dir=Non
     ``log_dir``: metrics.jsonl (+ tensorboard/) go there; None keeps the records in ``.records`` only.
     ``precision``: the arithmetic the captured inputs are measured in (default: by input dtype).
     ``subsample``: sequences per layer measured (None: all).
-    Further keywords: ``stabilizer`` ("none"), ``start`` (0), ``optimizer`` (steps on its
+    Further keywords: ``stabilizer`` ("none"), ``options`` (a FlashOptions: precision and
+    stabilizer at once; ``precision`` / ``stabilizer`` then change it), ``start`` (0), ``optimizer`` (steps on its
     ``step()``), ``grad_scale`` (multiplies dO; gradient accumulation), ``tensorboard``
     (None: if installed), ``loggers`` (more RunLoggers), ``log_fn``, ``enabled``."""
     return Watch(model, layers=layers, every=every, log_dir=log_dir, precision=precision, subsample=subsample, **kw)

@@ -34,19 +34,12 @@ from __future__ import annotations
 import functools
 
 from ..attention import function as _function
-from ..attention.function import _check_kernel, _renamed_options
-from ..attention.stabilizers import get_stabilizer
-from ..numerics.policy import get_policy
+from ..attention.options import FlashOptions, flash_options
 
-__all__ = ["register", "attention_forward", "DEFAULT_NAME", "OPTIONS"]
+__all__ = ["register", "attention_forward", "DEFAULT_NAME"]
 
 # no "flash" in it: transformers 5 reads any attn_implementation containing "flash" as a hub kernel
 DEFAULT_NAME = "fguard"
-
-# the options a registration binds: flash_attention's arithmetic and implementation choices.
-# softcap is not one of them: it is a property of the model (Gemma 2's attn_logit_softcapping),
-# which transformers passes to the attention function per call.
-OPTIONS = ("precision", "stabilizer", "block_q", "block_k", "kernel")
 
 # names transformers passes that change what attention computes and that flashguard does not do;
 # refused rather than dropped, so that a model never runs a different attention than it asked for
@@ -64,8 +57,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     True) applies only where no mask is given and T_q > 1, as in transformers' own sdpa path;
     ``scaling``: the score scale (None: 1/sqrt(D)); ``dropout``: passed on as ``dropout_p``
     (transformers passes 0 outside training), where flashguard's SDPA raises if it cannot honour
-    it; ``softcap``: logit soft-capping. ``options``: flash_attention's (precision, stabilizer,
-    block_q, block_k, kernel). Returns (output in (B, T_q, H, D) layout, None): attention
+    it; ``softcap``: logit soft-capping (the model's, added to ``options``). ``options``: the
+    ``FlashOptions`` a registration binds (None: the defaults). Returns (output in (B, T_q, H, D) layout, None): attention
     weights are never materialised.
     """
     used = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
@@ -84,22 +77,11 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     # looked up at call time (not bound at import) so that the function is the one module
     # attribute to wrap, as override_sdpa's path also reaches it
+    options = (FlashOptions() if options is None else options).capped(softcap)
     out = _function.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=is_causal, scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1], softcap=softcap, **(options or {}))
+        enable_gqa=key.shape[1] != query.shape[1], options=options)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _check_options(options):
-    unknown = set(options) - set(OPTIONS)
-    if unknown:
-        raise TypeError(f"register got unknown option(s) {sorted(unknown)}; expected {', '.join(OPTIONS)}")
-    # eagerly, so that a typo fails at registration and not at the model's first forward pass
-    get_policy(options["precision"])
-    get_stabilizer(options["stabilizer"])
-    _check_kernel(options.get("kernel", "auto"))
-    for name in ("block_q", "block_k"):
-        _function._check_block(name, options.get(name))
 
 
 def _check_name(name: str) -> None:
@@ -113,15 +95,16 @@ def _check_name(name: str) -> None:
             f"{DEFAULT_NAME!r})")
 
 
-def register(precision="fa2", stabilizer="none", *, name: str = DEFAULT_NAME, **options) -> str:
+def register(options: FlashOptions | None = None, *, name: str = DEFAULT_NAME, **fields) -> str:
     """Register flashguard attention with these options under ``name`` in transformers; returns ``name``.
 
     ``name`` (default ``"fguard"``) must not contain "flash" (ValueError): transformers 5 would
     take it for a hub flash-attention kernel and never call this registration.
 
-    ``precision`` (a preset name or PrecisionPolicy), ``stabilizer`` (a name or Stabilizer) and
-    ``options`` (block_q, block_k, kernel; ``backend``, the old name of ``kernel``, is accepted
-    with a DeprecationWarning) are flash_attention's, checked here. Registering a
+    ``options`` (a FlashOptions; None: the defaults) and the keyword ``fields`` that build or
+    change it (precision, stabilizer, block_q, block_k, kernel) are flash_attention's, checked
+    here. Not ``softcap``: a property of the model (Gemma 2's attn_logit_softcapping), which
+    transformers passes to the attention function per call. Registering a
     name again replaces its options for every model that uses it, from its next forward pass
     on. Then ``from_pretrained(..., attn_implementation=name)``, ``from_config(cfg,
     attn_implementation=name)`` or ``model.set_attn_implementation(name)``.
@@ -129,9 +112,11 @@ def register(precision="fa2", stabilizer="none", *, name: str = DEFAULT_NAME, **
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty string, got {name!r}")
     _check_name(name)
-    options = _renamed_options("register()", options, stacklevel=2)
-    options = {"precision": precision, "stabilizer": stabilizer, **options}
-    _check_options(options)
+    if "softcap" in fields or (options is not None and options.softcap is not None):
+        raise TypeError("register: softcap is not an option of a registration: transformers passes the model's "
+                        "own (attn_logit_softcapping) to the attention function at each call")
+    # built (and checked) here, so that a typo fails at registration and not at the first forward pass
+    options = flash_options(options, fields, where="register()")
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask

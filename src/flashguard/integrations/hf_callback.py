@@ -31,7 +31,7 @@ __all__ = ["FlashguardCallback"]
 class FlashguardCallback(TrainerCallback):
     """``flashguard.watch`` driven by the Trainer's step events; arguments as ``watch``'s
     (``layers``, ``every``, ``log_dir``, ``precision``, ``subsample`` and its keywords
-    ``stabilizer``, ``tensorboard``, ``loggers``, ``log_fn``). ``.watch`` is the running Watch
+    ``stabilizer``, ``options``, ``tensorboard``, ``loggers``, ``log_fn``). ``.watch`` is the running Watch
     (its ``records`` stay readable after training)."""
 
     def __init__(self, layers=None, every: int = DEFAULT_EVERY, log_dir=None, precision=None,
@@ -44,7 +44,7 @@ class FlashguardCallback(TrainerCallback):
         self.watch: Watch | None = None
         # fail on bad options when the callback is made, not when training starts
         Watch._check_options(every=every, subsample=subsample, precision=precision,
-                             stabilizer=watch_kw.get("stabilizer", "none"))
+                             stabilizer=watch_kw.get("stabilizer"), options=watch_kw.get("options"))
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:

@@ -8,9 +8,7 @@ A layer's attention is an AttentionSpec. Its ``backend`` says what computes soft
              (auto | pytorch | triton) and tiles say which implementation runs it.
 * ``math``   the plain composite formula in fp32 with ordinary torch ops and autograd (autocast
              disabled inside), cast back to the input dtype: "standard attention in high
-             precision". torch calls its own such SDPA path "math" too. (Formerly ``reference``,
-             still accepted with a DeprecationWarning: in flashguard "reference" names the fp64
-             reference_attention the probes and the lab measure against, and the study's arithmetic.)
+             precision". torch calls its own such SDPA path "math" too.
 
 Attention-logit soft-capping (GPTConfig.attn_softcap) replaces the scores S by
 cap * tanh(S / cap) before the mask and the softmax. torch SDPA cannot do this, so a layer
@@ -26,23 +24,24 @@ layer's backend can be swapped for another on the same weights.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 
-from ..attention import flash_attention, get_stabilizer, reference_attention
+from ..attention import flash_attention, reference_attention
 from ..attention.dropout import check_dropout_p, draw_seed, dropout_keep_mask
-from ..attention.function import KERNELS, choose_kernel, flash_attention_with_delta_hook
+from ..attention.function import choose_kernel, flash_attention_with_delta_hook
+from ..attention.options import (DEFAULT_KERNEL, DEFAULT_PRECISION, DEFAULT_STABILIZER, KERNELS, FlashOptions,
+                                 OptionError)
 from ..attention.stabilizers import Stabilizer
 from ..attention.triton_flash import triton_unsupported_settings
-from ..numerics.policy import PrecisionPolicy, get_policy
+from ..numerics.policy import PrecisionPolicy
 from .checks import is_int
 
-__all__ = ["BACKENDS", "KERNELS", "DEPRECATED_BACKENDS", "backend_name", "SpecError", "AttentionSpec", "FIELDS",
-           "SETTINGS", "FLASH_ONLY", "layer_specs", "layer_index", "effective_backend", "check_layer_spec", "attend"]
+__all__ = ["BACKENDS", "KERNELS", "SpecError", "AttentionSpec", "FIELDS", "SETTINGS", "FLASH_ONLY", "layer_specs",
+           "layer_index", "effective_backend", "check_layer_spec", "attend"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -51,21 +50,6 @@ __all__ = ["BACKENDS", "KERNELS", "DEPRECATED_BACKENDS", "backend_name", "SpecEr
 BACKENDS = ("sdpa", "flash", "math")
 # KERNELS (from flashguard.attention): which implementation runs a flash layer, flash_attention's
 # kernel= (auto | pytorch | triton)
-
-# old name -> the backend it now is; run folders saved before the rename still load
-DEPRECATED_BACKENDS = {"reference": "math"}
-
-
-def backend_name(value, stacklevel: int = 2):
-    """``value`` with a deprecated backend name replaced by its new one (a DeprecationWarning
-    naming it); any other value is returned as it is, for the spec's own check to judge."""
-    if isinstance(value, str) and value in DEPRECATED_BACKENDS:
-        new = DEPRECATED_BACKENDS[value]
-        warnings.warn(f"attention backend {value!r} is now called {new!r} (fp32 softmax(QK^T)V with plain torch "
-                      f"ops; 'reference' is flashguard's fp64 reference_attention): write backend = {new!r}",
-                      DeprecationWarning, stacklevel=stacklevel + 1)
-        return new
-    return value
 
 
 # --------------------------------------------------------------------------------------------
@@ -89,41 +73,49 @@ class AttentionSpec:
     """How one layer computes attention: the one definition of the attention choice (a training
     config's [attention] section holds one and names its keys after these fields).
 
-    ``backend`` is ``sdpa``, ``flash`` or ``math`` (module docstring; ``reference`` is read as
-    ``math``, with a DeprecationWarning). ``precision`` (a flashguard preset name or a
+    ``backend`` is ``sdpa``, ``flash`` or ``math`` (module docstring). The ``flash`` backend's
+    options are named as a config names them: ``precision`` (a flashguard preset name or a
     PrecisionPolicy), ``stabilizer`` (``none``, ``paper``, ``paper:beta=7``, ``safe`` or a
     Stabilizer), the tile sizes ``block_q`` / ``block_k`` (None = the kernel's default: 512 on the
     PyTorch path, the Triton kernels' own) and ``kernel`` (flash_attention's kernel=: ``auto`` =
     Triton on CUDA when it supports the call, else PyTorch; ``pytorch``; ``triton``, refused here
-    for settings it cannot run) are used by the ``flash`` backend only, and so is ``delta_hook``:
-    a callable the layer's backward pass hands its delta to and takes the delta to use from (the
-    error-injection experiment, flashguard.attention.injection; the PyTorch kernel then runs, so
-    ``kernel`` may not be ``triton``).
+    for settings it cannot run), checked and resolved once into ``options``, the
+    ``FlashOptions`` the layer runs (its soft-cap is the model's, GPTConfig.attn_softcap, added
+    per layer). ``delta_hook`` is the flash backend's too: a callable the layer's backward pass
+    hands its delta to and takes the delta to use from (the error-injection experiment,
+    flashguard.attention.injection; the PyTorch kernel then runs, so ``kernel`` may not be
+    ``triton``).
     """
 
     backend: str = "sdpa"
-    precision: str | PrecisionPolicy = dataclasses.field(default="fa2", metadata=_FLASH)
-    stabilizer: str | Stabilizer = dataclasses.field(default="none", metadata=_FLASH)
+    precision: str | PrecisionPolicy = dataclasses.field(default=DEFAULT_PRECISION, metadata=_FLASH)
+    stabilizer: str | Stabilizer = dataclasses.field(default=DEFAULT_STABILIZER, metadata=_FLASH)
     block_q: int | None = dataclasses.field(default=None, metadata=_FLASH)
     block_k: int | None = dataclasses.field(default=None, metadata=_FLASH)
-    kernel: str = dataclasses.field(default="auto", metadata=_FLASH)
+    kernel: str = dataclasses.field(default=DEFAULT_KERNEL, metadata=_FLASH)
     delta_hook: Callable | None = dataclasses.field(default=None, metadata={"flash": True, "setting": False})
+    # the flash fields above, resolved (not a field a spec is made with, compared or saved by)
+    options: FlashOptions = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        # frozen: the one sanctioned way to normalise a field is object.__setattr__ in __post_init__
-        # (stacklevel 3 = past __post_init__ and the generated __init__, at the caller)
-        object.__setattr__(self, "backend", backend_name(self.backend, stacklevel=3))
-        for name in FIELDS:
-            problem = _field_problem(name, getattr(self, name))
-            if problem:
-                raise SpecError(name, problem)
+        if self.backend not in BACKENDS:
+            raise SpecError("backend", f"unknown backend {self.backend!r}; known: {', '.join(BACKENDS)}")
+        try:
+            options = FlashOptions(precision=self.precision, stabilizer=self.stabilizer, block_q=self.block_q,
+                                   block_k=self.block_k, kernel=self.kernel)
+        except OptionError as e:
+            raise SpecError(e.field, e.problem) from None
+        # frozen: the one sanctioned way to set a field is object.__setattr__ in __post_init__
+        object.__setattr__(self, "options", options)
+        if self.delta_hook is not None and not callable(self.delta_hook):
+            raise SpecError("delta_hook", f"must be None or callable, got {self.delta_hook!r}")
         if self.delta_hook is not None and self.backend != "flash":
             raise SpecError("delta_hook", f"applies to the flash backend only, not {self.backend!r}")
         if self.backend == "flash" and self.kernel == "triton":
             if self.delta_hook is not None:
                 raise SpecError("kernel", "the injection's delta hook runs on the pytorch kernel, not triton")
-            reason = triton_unsupported_settings(precision=self.precision, stabilizer=self.stabilizer,
-                                                 block_q=self.block_q, block_k=self.block_k)
+            reason = triton_unsupported_settings(precision=options.precision, stabilizer=options.stabilizer,
+                                                 block_q=options.block_q, block_k=options.block_k)
             if reason:
                 raise SpecError("kernel", f"the triton kernel cannot run {reason}")
 
@@ -149,8 +141,7 @@ class AttentionSpec:
         resolved as flash_attention resolves it (choose_kernel); the delta hook's path is PyTorch."""
         if self.delta_hook is not None:
             return "pytorch"
-        return choose_kernel(q, k, v, precision=self.precision, stabilizer=self.stabilizer, block_q=self.block_q,
-                             block_k=self.block_k, softcap=softcap, kernel=self.kernel)
+        return choose_kernel(q, k, v, self.options.capped(softcap))
 
     def short_str(self) -> str:
         """For run names and logs: ``sdpa``, ``math``, ``flash[paper,safe]``, ``flash[fa2,none,128x128]``,
@@ -167,31 +158,10 @@ class AttentionSpec:
         return f"flash[{','.join(parts)}]"
 
 
-FIELDS = tuple(f.name for f in dataclasses.fields(AttentionSpec))
-SETTINGS = tuple(f.name for f in dataclasses.fields(AttentionSpec) if f.metadata.get("setting", True))
-FLASH_ONLY = tuple(f.name for f in dataclasses.fields(AttentionSpec) if f.metadata.get("flash", False))
-
-
-def _field_problem(name: str, value) -> str | None:
-    """What is wrong with one AttentionSpec field's value on its own (None: nothing)."""
-    if name == "backend":
-        return None if value in BACKENDS else f"unknown backend {value!r}; known: {', '.join(BACKENDS)}"
-    if name == "kernel":
-        return None if value in KERNELS else f"unknown kernel {value!r}; known: {', '.join(KERNELS)}"
-    lookup = {"precision": get_policy, "stabilizer": get_stabilizer}.get(name)
-    if lookup is not None:
-        try:
-            lookup(value)
-        except (ValueError, TypeError) as e:
-            return str(e)
-        return None
-    if name in ("block_q", "block_k"):
-        if value is not None and (not is_int(value) or value < 1):
-            return f"must be None or an integer >= 1, got {value!r}"
-        return None
-    if name == "delta_hook" and value is not None and not callable(value):
-        return f"must be None or callable, got {value!r}"
-    return None
+_INIT_FIELDS = [f for f in dataclasses.fields(AttentionSpec) if f.init]
+FIELDS = tuple(f.name for f in _INIT_FIELDS)
+SETTINGS = tuple(f.name for f in _INIT_FIELDS if f.metadata.get("setting", True))
+FLASH_ONLY = tuple(f.name for f in _INIT_FIELDS if f.metadata.get("flash", False))
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,15 +242,11 @@ def attend(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if backend == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     if backend == "flash":
-        s = spec
-        if s.delta_hook is not None:
-            return flash_attention_with_delta_hook(q, k, v, delta_hook=s.delta_hook, is_causal=True,
-                                                   precision=s.precision, stabilizer=s.stabilizer,
-                                                   block_q=s.block_q, block_k=s.block_k, softcap=softcap,
-                                                   dropout_p=dropout_p)
-        return flash_attention(q, k, v, is_causal=True, precision=s.precision,
-                               stabilizer=s.stabilizer, block_q=s.block_q, block_k=s.block_k,
-                               softcap=softcap, kernel=s.kernel, dropout_p=dropout_p)
+        options = spec.options.capped(softcap)
+        if spec.delta_hook is not None:
+            return flash_attention_with_delta_hook(q, k, v, delta_hook=spec.delta_hook, is_causal=True,
+                                                   options=options, dropout_p=dropout_p)
+        return flash_attention(q, k, v, is_causal=True, options=options, dropout_p=dropout_p)
     # math: the formula in fp32, whatever autocast would do to its matmuls; dropout with the keep
     # mask of attention.dropout, its seed drawn from torch's generator as flash_attention draws it
     drop = {}

@@ -61,7 +61,7 @@ def _default_spec():
 class AttentionConfig:
     """[attention]: the attention every layer trains with, as the model's own choice
     (flashguard.model.AttentionSpec): the section's keys are the spec's settings - backend
-    (sdpa | flash | math; the old name reference loads as math, with a DeprecationWarning), precision,
+    (sdpa | flash | math), precision,
     stabilizer, block_q, block_k, kernel (auto | pytorch | triton) - validated by the spec itself and
     named here by key; ``layers`` changes them per layer, e.g. layers."1" = { precision = "fp32" }
     (the study's localisation)."""
@@ -195,17 +195,12 @@ def config_from_dict(raw: dict) -> RunConfig:
 
 def _attention_from_dict(raw: dict) -> AttentionConfig:
     """[attention] as TOML writes it (the spec's settings flat, plus ``layers``) -> AttentionConfig."""
-    from ..model.attention import SETTINGS, SpecError, backend_name
+    from ..model.attention import SETTINGS, SpecError
     for key in raw:
         if key != "layers" and key not in SETTINGS:
             raise ConfigError(f"unknown config key attention.{key}; known in [attention]: {', '.join((*SETTINGS, 'layers'))}")
 
-    def renamed(table: dict) -> dict:
-        # a deprecated backend name (an older run's config.toml) is renamed here, with its warning
-        # pointing at the config's loading, and a run saves the new name
-        return {**table, "backend": backend_name(table["backend"])} if "backend" in table else table
-
-    settings = renamed({k: v for k, v in raw.items() if k != "layers"})
+    settings = {k: v for k, v in raw.items() if k != "layers"}
     try:  # replace, not with_changes: a saved sdpa run's section names every setting
         spec = dataclasses.replace(_default_spec(), **settings)
     except SpecError as e:
@@ -213,7 +208,6 @@ def _attention_from_dict(raw: dict) -> AttentionConfig:
     layers = raw.get("layers", {})
     if not isinstance(layers, dict):
         raise ConfigError(f"attention.layers must be a table of layer changes, got {layers!r}")
-    layers = {k: renamed(v) if isinstance(v, dict) else v for k, v in layers.items()}
     return AttentionConfig(spec=spec, layers=layers)
 
 

@@ -78,7 +78,7 @@ def fix_candidates(policy) -> list[Arithmetic]:
 def fix_family(policy: str) -> set[str]:
     """The preset names a row of ``policy`` or of one of its fixes carries (``short_str`` before
     any ``[``): ``paper`` and ``paper-fp32fwd``; ``fa2-e4m3`` and ``fa2-e4m3-pscaled``."""
-    return {policy} | {a.policy.short_str().split("[")[0] for a in fix_candidates(policy)}
+    return {policy} | {a.precision.short_str().split("[")[0] for a in fix_candidates(policy)}
 
 
 def _as_preset(policy: "PrecisionPolicy") -> "PrecisionPolicy":

@@ -113,8 +113,8 @@ class Bench:
         return trace(q, k, v, do, a, grads=False, **kw)
 
     def _floor(self, p: Problem, a: "Arithmetic | BlackBox"):
-        fa = floor_arithmetic(a.floor_policy if isinstance(a, BlackBox) else a.policy)
-        key = (p, fa.policy)
+        fa = floor_arithmetic(a.floor_policy if isinstance(a, BlackBox) else a.precision)
+        key = (p, fa.precision)
         if key not in self._floors:
             t = self._trace(p, fa)
             self._floors[key] = (unit_means(t.o_err, p.unit), unit_means(t.delta_err, p.unit, feature_dim=False),
@@ -139,7 +139,7 @@ class Bench:
             tails = tail_mass(q, k) / half_ulp_bf16(p.ties)
         m = Measurement(
             problem=p, arithmetic=a.label(),
-            policy=a.policy.short_str() if isinstance(a, Arithmetic) else f"black box ({a.dtype})".replace("torch.", ""),
+            policy=a.precision.short_str() if isinstance(a, Arithmetic) else f"black box ({a.dtype})".replace("torch.", ""),
             stabilizer=str(a.stabilizer) if isinstance(a, Arithmetic) else "?",
             o=bias_stats(o_u, p.unit), delta=bias_stats(d_u, p.unit), o_vs_floor=paired_bias(o_u, fo, p.unit),
             delta_vs_floor=paired_bias(d_u, fd, p.unit), o_floor=bias_stats(fo, p.unit),
