@@ -48,21 +48,20 @@ def test_each_command_describes_itself(capsys, command, words):
         assert w in text, w
 
 
-def test_lab_default_folder_is_named_by_policy(tmp_path, monkeypatch, capsys):
+def test_lab_default_folder_is_named_by_precision(tmp_path, monkeypatch, capsys):
     import flashguard.experiments.lab as lab
     import flashguard.experiments.lab.report as report
     written = []
     monkeypatch.setattr(lab, "run_lab", lambda **kw: {"verdicts": {"(i)": "held"}, "answers": {}, "rows": [],
-                                                      "runtime_s": 0.0, "policy": kw["policy"]})
+                                                      "runtime_s": 0.0, "policy": kw["precision"]})
     monkeypatch.setattr(report, "write_lab", lambda result, out: written.append(str(out)) or {"md": Path(out) / "lab.md"})
     monkeypatch.chdir(tmp_path)
-    for args in ([], ["--policy", "paper"], ["--policy", "fp32"], ["--policy", "fa2-e4m3"],
-                 ["--policy", "paper[pv=fp32]"], ["--policy", "fp32", "--out", "mine"]):
+    for args in ([], ["--precision", "paper"], ["--precision", "fp32"], ["--precision", "fa2-e4m3"],
+                 ["--precision", "paper[pv=fp32]"], ["--precision", "fp32", "--out", "mine"]):
         assert main(["lab", "--quick", *args]) == 0
     assert written == ["lab", "lab", "lab-fp32", "lab-fa2-e4m3", "lab-paper_pv=fp32", "mine"]
     assert len({lab_out(p) for p in POLICIES}) == len(POLICIES)   # no two policies share a folder
-    assert main(["lab", "--policy", "fp31"]) == 2                  # a typo: refused before anything runs
-    assert main(["lab", "--precision", "fp31"]) == 2               # --precision is the name, --policy the old one
+    assert main(["lab", "--precision", "fp31"]) == 2               # a typo: refused before anything runs
     assert "unknown precision policy 'fp31'" in capsys.readouterr().err and len(written) == 6
 
 

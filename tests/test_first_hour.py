@@ -69,11 +69,11 @@ def test_lab_policy_without_out_leaves_the_other_policies_results(tmp_path, monk
         (Path(out) / "lab.json").write_text(result["policy"])
         return {"md": Path(out) / "lab.md"}
     monkeypatch.setattr(lab, "run_lab", lambda **kw: {"verdicts": {"(i)": "held"}, "answers": {}, "rows": [],
-                                                      "runtime_s": 0.0, "policy": kw["policy"]})
+                                                      "runtime_s": 0.0, "policy": kw["precision"]})
     monkeypatch.setattr(report, "write_lab", write)
     monkeypatch.chdir(tmp_path)
     for policy in ("paper", "fp32", "fa2-e4m3"):
-        assert main(["lab", "--quick", "--policy", policy]) == 0
+        assert main(["lab", "--quick", "--precision", policy]) == 0
     assert {p: (tmp_path / lab_out(p) / "lab.json").read_text() for p in ("paper", "fp32", "fa2-e4m3")} == \
         {"paper": "paper", "fp32": "fp32", "fa2-e4m3": "fa2-e4m3"}
 

@@ -69,11 +69,10 @@ def _add_lab(sub, values: str) -> None:
     p.add_argument("--out", default=None, help="output folder for lab.json, lab.md and figures (default: lab for "
                                                "the default precision, lab-PRECISION for another, so that one "
                                                "precision's results never overwrite another's)")
-    # --precision, as attention.precision and flash_attention(precision=) call it; --policy is its
-    # old name, still accepted
-    p.add_argument("--precision", "--policy", dest="policy", default="paper",
+    # --precision, as attention.precision and flash_attention(precision=) call it
+    p.add_argument("--precision", default="paper",
                    help=f"arithmetic the study's facts are tested in: {', '.join(POLICIES)} "
-                        "or 'preset[field=value,...]' (default: paper; --policy is the old name)")
+                        "or 'preset[field=value,...]' (default: paper)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--capture", default=None, metavar="RUN_DIR",
                    help="also measure the q, k, v, dO a training run's checkpoint saw (one problem per layer)")
@@ -81,19 +80,19 @@ def _add_lab(sub, values: str) -> None:
     p.add_argument("--capture-batches", type=int, default=4, help="logged batches to capture (default: 4)")
 
 
-def lab_out(policy: str) -> str:
-    """`flashguard lab`'s default output folder for a policy: lab (the default policy), lab-POLICY otherwise."""
-    if policy == "paper":
+def lab_out(precision: str) -> str:
+    """`flashguard lab`'s default output folder for a precision: lab (the default), lab-PRECISION otherwise."""
+    if precision == "paper":
         return "lab"
-    return "lab-" + "".join(c if c.isalnum() or c in "-_.=" else "_" for c in policy).strip("_")
+    return "lab-" + "".join(c if c.isalnum() or c in "-_.=" else "_" for c in precision).strip("_")
 
 
 def _lab(args) -> int:
     from .experiments import lab
     from .experiments.lab.report import write_lab
     from .numerics.policy import get_policy
-    get_policy(args.policy)  # a typo is refused before anything runs
-    out = args.out if args.out is not None else lab_out(args.policy)
+    get_policy(args.precision)  # a typo is refused before anything runs
+    out = args.out if args.out is not None else lab_out(args.precision)
     captured = None
     if args.capture:
         from .experiments.lab.captured import from_run
@@ -102,7 +101,7 @@ def _lab(args) -> int:
         except (ValueError, FileNotFoundError) as e:
             print(f"flashguard lab: error: --capture {args.capture}: {e}", file=sys.stderr)
             return 2
-    result = lab.run_lab(quick=args.quick, policy=args.policy, seed=args.seed, progress=lambda m: print(f"  {m}"),
+    result = lab.run_lab(quick=args.quick, precision=args.precision, seed=args.seed, progress=lambda m: print(f"  {m}"),
                          captured=captured)
     paths = write_lab(result, out)
     width = max(len(k) for k in result["verdicts"])

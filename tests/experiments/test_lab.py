@@ -86,7 +86,7 @@ def test_verdict_over_conditions():
 
 @pytest.fixture(scope="module")
 def labs():
-    return {pol: run_lab(quick=True, policy=pol, n_rows=256) for pol in ("paper", "fp32")}
+    return {pol: run_lab(quick=True, precision=pol, n_rows=256) for pol in ("paper", "fp32")}
 
 
 def test_lab_verdicts_follow_from_the_computation(labs):

@@ -63,7 +63,7 @@ def run_demo(out: str | Path = "demo", *, data_dir: str | Path = "data/embedded"
         lab = json.loads((out / "lab" / "lab.json").read_text())
     else:
         log("[2/5] rounding-bias lab (quick)")
-        lab = run_lab(quick=True, policy="paper", seed=0, progress=lambda m: log(f"  {m}"))
+        lab = run_lab(quick=True, precision="paper", seed=0, progress=lambda m: log(f"  {m}"))
         write_lab(lab, out / "lab")
     log("[3/5] matched training runs")
     result = run_repro(preset, out, claims=DEMO_CLAIMS, steps=steps,

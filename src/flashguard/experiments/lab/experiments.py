@@ -2,7 +2,7 @@
 
     from flashguard.experiments.lab import run_lab
     result = run_lab(quick=True)                 # dict: rows, verdicts, answers
-    result = run_lab(quick=True, policy="fp32")  # the facts tested in fp32: "not held"
+    result = run_lab(quick=True, precision="fp32")  # the facts tested in fp32: "not held"
 
 Every cell is an arithmetic on a problem family of independent rows (``problems.Problem``),
 judged by the lean of its unit errors beyond its noise floor on the same problems
@@ -51,12 +51,12 @@ DECOMPOSITION = {
 }
 
 
-def fix_candidates(policy) -> list[Arithmetic]:
-    """What a user could change in ``policy`` (a name or a PrecisionPolicy): each stabilizer, and
+def fix_candidates(precision) -> list[Arithmetic]:
+    """What a user could change in ``precision`` (a name or a PrecisionPolicy): each stabilizer, and
     the arithmetic changes the lab measures (the fp32 forward accumulators of ``paper-fp32fwd``,
     for ``paper`` with any output format; the consistent row sum of FA PR #2721; for an fp8 Pbar,
     that row sum with Pbar in e4m3 scaled into its range, as ``fa2-e4m3-pscaled``)."""
-    p = get_policy(policy)
+    p = get_policy(precision)
     out = [Arithmetic.of(p, s) for s in STABILIZER_SET if s != "none"]
     paper = get_policy("paper")
     if p.replace(name="paper", output=paper.output) == paper:
@@ -75,10 +75,10 @@ def fix_candidates(policy) -> list[Arithmetic]:
     return out
 
 
-def fix_family(policy: str) -> set[str]:
-    """The preset names a row of ``policy`` or of one of its fixes carries (``short_str`` before
+def fix_family(precision: str) -> set[str]:
+    """The preset names a row of ``precision`` or of one of its fixes carries (``short_str`` before
     any ``[``): ``paper`` and ``paper-fp32fwd``; ``fa2-e4m3`` and ``fa2-e4m3-pscaled``."""
-    return {policy} | {a.precision.short_str().split("[")[0] for a in fix_candidates(policy)}
+    return {precision} | {a.precision.short_str().split("[")[0] for a in fix_candidates(precision)}
 
 
 def _as_preset(policy: "PrecisionPolicy") -> "PrecisionPolicy":
@@ -89,10 +89,10 @@ def _as_preset(policy: "PrecisionPolicy") -> "PrecisionPolicy":
     return policy
 
 
-def unrounded_output(policy) -> "PrecisionPolicy":
-    """``policy`` with O left in fp32 (its floor too: floor_arithmetic keeps the output format):
+def unrounded_output(precision) -> "PrecisionPolicy":
+    """``precision`` with O left in fp32 (its floor too: floor_arithmetic keeps the output format):
     the arithmetic's own error before O's one rounding to the output format."""
-    return get_policy(policy).replace(output="fp32")
+    return get_policy(precision).replace(output="fp32")
 
 
 def verdict_over(flags: dict[str, bool]) -> str:
@@ -134,13 +134,13 @@ def judge_fix(plain: Measurement, fixed: Measurement) -> tuple[bool, str]:
     return True, ""
 
 
-def judge_candidates(policy, problems, measure) -> tuple[dict, list[str], dict]:
-    """Every fix candidate of ``policy`` against no fix on ``problems`` (``judge_fix`` on each):
+def judge_candidates(precision, problems, measure) -> tuple[dict, list[str], dict]:
+    """Every fix candidate of ``precision`` against no fix on ``problems`` (``judge_fix`` on each):
     (plain {problem: Measurement}, labels of the candidates that pass everywhere, {label: the
     reasons it failed}). ``measure(problem, arithmetic)`` returns (and may record) a Measurement."""
-    plain = {p: measure(p, Arithmetic.of(policy)) for p in problems}
+    plain = {p: measure(p, Arithmetic.of(precision)) for p in problems}
     removed_by, failures = [], {}
-    for cand in fix_candidates(policy):
+    for cand in fix_candidates(precision):
         reasons = []
         for p in problems:
             ok, why = judge_fix(plain[p], measure(p, cand))
@@ -166,9 +166,9 @@ def _conditions(quick: bool, seed: int, n: int) -> dict[str, list[Problem]]:
     return {"ties": ties, "others": others, "no_ties": no_ties}
 
 
-def run_lab(quick: bool = False, policy: str = "paper", seed: int = 0, progress=None,
+def run_lab(quick: bool = False, precision: str = "paper", seed: int = 0, progress=None,
             n_rows: int | None = None, captured=None) -> dict:
-    """Run every experiment; ``policy`` is the arithmetic the study's facts (i)-(iii) are tested in;
+    """Run every experiment; ``precision`` is the arithmetic the study's facts (i)-(iii) are tested in;
     ``n_rows`` (default 1,024 quick, 3,072 full) the independent rows per condition; ``captured``
     (a list of ``captured.CapturedProblem``) adds the same measurement on real attention inputs."""
     n = n_rows or (1024 if quick else 3072)
@@ -192,7 +192,7 @@ def run_lab(quick: bool = False, policy: str = "paper", seed: int = 0, progress=
     say("(i) tie bias")
     flags, notes = {}, []
     for c in tied:
-        m = cell(c, Arithmetic.of(policy), "i")
+        m = cell(c, Arithmetic.of(precision), "i")
         flags[c.label()] = (m.o_leans and m.o_vs_floor.mean < 0) and (m.delta_leans and m.delta_vs_floor.mean > 0)
         notes.append(f"{c.label()}: O {_o(m)}, delta {_delta(m)}"
                      f" [tail {m.tail_half_ulps:.2f} half-ulps]")
@@ -202,7 +202,7 @@ def run_lab(quick: bool = False, policy: str = "paper", seed: int = 0, progress=
     say("(ii) no ties")
     flags, notes = {}, []
     for c in conds["no_ties"]:
-        m = cell(c, Arithmetic.of(policy), "ii")
+        m = cell(c, Arithmetic.of(precision), "ii")
         flags[c.label()] = not _leans(m)
         notes.append(f"{c.label()}: O {_o(m)}, delta {_delta(m)}")
     verdicts["ii_no_ties_no_bias"], details["ii_no_ties_no_bias"] = verdict_over(flags), notes
@@ -212,8 +212,8 @@ def run_lab(quick: bool = False, policy: str = "paper", seed: int = 0, progress=
     for stab, key in (("paper", "iii_paper_fix_beta2"), ("paper:beta=7", "iii_paper_fix_beta7")):
         flags, notes = {}, []
         for c in tied + conds["others"]:
-            plain = cell(c, Arithmetic.of(policy), "iii")
-            fixed = cell(c, Arithmetic.of(policy, stab), "iii")
+            plain = cell(c, Arithmetic.of(precision), "iii")
+            fixed = cell(c, Arithmetic.of(precision, stab), "iii")
             if _leans(plain):
                 flags[c.label()] = not _leans(fixed) and not fixed.bad_rows
                 notes.append(f"{c.label()}: none O {_o(plain)} -> {fixed.stabilizer} O {_o(fixed)}, "
@@ -223,7 +223,7 @@ def run_lab(quick: bool = False, policy: str = "paper", seed: int = 0, progress=
         details[key] = notes or ["no condition leans without the fix: nothing to remove"]
 
     # (iv) the worked example, in the format the policy stores the PV sum in
-    fmt = get_policy(policy).pv
+    fmt = get_policy(precision).pv
     x = torch.tensor([-4.703990459442139], dtype=torch.float64)
     r = round_to(x, fmt).item()
     verdicts["iv_worked_example"] = "held" if r == -4.71875 else "not held"
@@ -285,7 +285,7 @@ def run_lab(quick: bool = False, policy: str = "paper", seed: int = 0, progress=
         say("captured problems")
         out_captured = run_captured(captured, FORMAT_POLICIES, bench=bench, progress=say)
 
-    return {"quick": quick, "policy": policy, "seed": seed, "n_rows": n, "captured": out_captured, "runtime_s": time.perf_counter() - t0,
+    return {"quick": quick, "policy": precision, "seed": seed, "n_rows": n, "captured": out_captured, "runtime_s": time.perf_counter() - t0,
             "versions": {"torch": torch.__version__}, "unit_note": "one value per independent row "
             "(per instance for sink problems); leans judged against the fp32 floor, paired",
             "rows": rows, "verdicts": verdicts, "details": details, "answers": answers}
