@@ -17,7 +17,7 @@ The names below are loaded on first use, so ``import flashguard`` does not impor
 import importlib as _importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
