@@ -200,7 +200,15 @@ def test_flash_options_are_the_one_shape_of_the_options():
                                                 block_q=8))
     assert flash_options(opts, {"block_k": 4}) == opts.replace(block_k=4) != opts
     assert flash_options(None, {"precision": "paper"}) is flash_options(None, {"precision": "paper"})  # cached
-    assert opts.capped(None) is opts and opts.capped(30.0).softcap == 30.0 and opts.capped(30.0) is opts.capped(30)
+    assert opts.capped(None) is opts and opts.capped(30.0).softcap == 30.0 and opts.capped(30.0) is opts.capped(30.0)
+    assert opts.capped(30) == opts.capped(30.0) and flash_options(None, {}) is flash_options(None, {})
+    flash_options(None, {"block_q": 64})
+    for bad in (64.0, True):  # equal to a cached 64 or 1, but not a tile
+        with pytest.raises(OptionError, match="block_q must be None or an integer"):
+            flash_options(None, {"block_q": bad})
+    flash_options(None, {"block_q": 1})
+    with pytest.raises(OptionError, match="block_q must be None or an integer"):
+        flash_options(None, {"block_q": True})
     for kwargs, msg in [(dict(block_q=0), "block_q must be None or an integer >= 1"), (dict(kernel="cuda"), "unknown kernel"),
                         (dict(softcap=0.0), "softcap must be a positive float"),
                         (dict(precision="bf17"), "precision: unknown precision policy 'bf17'"),

@@ -128,7 +128,7 @@ class FlashOptions:
     def capped(self, softcap: float | None) -> "FlashOptions":
         """These options with ``softcap`` (a model's or a call's own; None: these options as they
         are). Cached: a model layer asks for the same capped options on every call."""
-        return self if softcap is None or softcap == self.softcap else _capped(self, softcap)
+        return self if softcap is None or softcap == self.softcap else _capped(self, type(softcap), softcap)
 
     def tiles(self) -> tuple[int, int]:
         """(block_q, block_k) on the PyTorch kernel: an unset tile is DEFAULT_BLOCK."""
@@ -139,14 +139,16 @@ class FlashOptions:
 FIELDS = tuple(f.name for f in dataclasses.fields(FlashOptions))
 
 
+# The caches key on each value's type too: 64.0 == 64 and True == 1, but only 64 is a tile.
+
 @functools.lru_cache(maxsize=128)
-def _capped(options: FlashOptions, softcap: float) -> FlashOptions:
+def _capped(options: FlashOptions, kind: type, softcap: float) -> FlashOptions:
     return options.replace(softcap=softcap)
 
 
 @functools.lru_cache(maxsize=256)
 def _cached(items: tuple) -> FlashOptions:
-    return FlashOptions(**dict(items))
+    return FlashOptions(**{name: value for name, _, value in items})
 
 
 def flash_options(options: "FlashOptions | None" = None, fields: "dict | None" = None, *,
@@ -157,17 +159,16 @@ def flash_options(options: "FlashOptions | None" = None, fields: "dict | None" =
     names alone are cached, so a call that names its options by keyword does not parse them again."""
     if options is not None and not isinstance(options, FlashOptions):
         raise TypeError(f"{where}: options must be a FlashOptions or None, got {type(options).__name__}")
-    if not fields:
-        return FlashOptions() if options is None else options
+    fields = fields or {}
     unknown = sorted(set(fields) - set(FIELDS))
     if unknown:
         raise TypeError(f"{where} got unknown option(s) {unknown}; options are {', '.join(FIELDS)}")
     if options is not None:
-        return options.replace(**fields)
+        return options.replace(**fields)  # itself, without fields
     if torch.compiler.is_compiling():  # dynamo traces the construction (and would ignore the cache)
         return FlashOptions(**fields)
     try:
-        return _cached(tuple(sorted(fields.items())))
+        return _cached(tuple(sorted((name, type(value), value) for name, value in fields.items())))
     except TypeError:  # an unhashable value: built (and refused, if it is wrong) without the cache
         return FlashOptions(**fields)
 
