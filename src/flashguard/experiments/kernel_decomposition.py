@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
+from ..attention.function import flash_attention
 from ..attention.trace import Arithmetic
 from ..utils.atomic import atomic_write_text
-from .audit import audit_conditions
+from .audit import _sdpa, audit_conditions
 from .lab.measure import Bench, BlackBox
 
 __all__ = ["TORCH_CPU_STEPS", "decompose_torch_cpu", "kernel_agreement", "write_decomposition"]
@@ -34,12 +35,7 @@ TORCH_CPU_STEPS = (
 REFERENCES = (("fa2 (exact exp and acc / l; not a single step)", "fa2"),)
 
 
-def _kernel(q, k, v):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return F.scaled_dot_product_attention(q, k, v)
-
-
+_kernel = _sdpa(SDPBackend.FLASH_ATTENTION)  # the audit's own call of the kernel
 KERNEL = BlackBox("torch sdpa: flash (CPU)", _kernel)
 
 
@@ -71,7 +67,7 @@ def decompose_torch_cpu(*, quick: bool = True, seed: int = 0, progress=None) -> 
     for c in conds:
         say(c.label())
         q, k, v, _ = (x.to(torch.bfloat16) for x in bench.inputs(c))
-        agree = kernel_agreement(_model_output(q, k, v), _kernel(q, k, v))
+        agree = kernel_agreement(flash_attention(q, k, v, precision="torch-cpu"), _kernel(q, k, v))
         for step, precision in (("torch's kernel (black box)", None),) + TORCH_CPU_STEPS + REFERENCES:
             m = bench.measure(c, KERNEL if precision is None else Arithmetic.of(precision))
             rows.append({"condition": c.label(), "ties": c.ties, "step": step, "precision": precision,
@@ -82,11 +78,6 @@ def decompose_torch_cpu(*, quick: bool = True, seed: int = 0, progress=None) -> 
     return {"quick": quick, "seed": seed, "unit": "one value per independent row",
             "versions": {"torch": torch.__version__}, "runtime_s": time.perf_counter() - t0,
             "rows": rows, "responsible": responsible_steps(rows)}
-
-
-def _model_output(q, k, v):
-    from ..attention.function import flash_attention
-    return flash_attention(q, k, v, precision="torch-cpu")
 
 
 def responsible_steps(rows: list[dict]) -> list[str]:
