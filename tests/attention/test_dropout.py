@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from flashguard.attention import flash_attention, override_sdpa, reference_attention, scaled_dot_product_attention
 from flashguard.attention.dropout import TileDropout, draw_seed, dropout_keep_mask
-from flashguard.attention.function import flash_attention_with_delta_hook
+from flashguard.attention.function import flash_attention_with_hooks
 from flashguard.numerics import get_policy
 
 
@@ -220,7 +220,7 @@ def test_delta_hook_path_takes_the_same_dropout():
     a = flash_attention(q, k, v, is_causal=True, precision="fp64", block_q=4, block_k=4, dropout_p=0.3)
     ga = torch.autograd.grad(a.sum(), (q, k, v))
     torch.manual_seed(6)
-    b = flash_attention_with_delta_hook(q, k, v, delta_hook=lambda d, **_: d, is_causal=True, precision="fp64",
+    b = flash_attention_with_hooks(q, k, v, delta_hook=lambda d, **_: d, is_causal=True, precision="fp64",
                                         block_q=4, block_k=4, dropout_p=0.3)
     gb = torch.autograd.grad(b.sum(), (q, k, v))
     assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ga, gb))

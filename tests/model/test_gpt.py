@@ -588,7 +588,7 @@ def test_attn_dropout_reaches_each_backend(monkeypatch):
     """The model passes dropout_p = attn_dropout while training (0 in eval) to torch's SDPA and to
     flash_attention (also on the injection's delta-hook path)."""
     seen = []
-    for name in ("flash_attention", "flash_attention_with_delta_hook"):
+    for name in ("flash_attention", "flash_attention_with_hooks"):
         real = getattr(attention_module, name)
         monkeypatch.setattr(attention_module, name,
                             lambda *a, _real=real, **kw: (seen.append(kw["dropout_p"]), _real(*a, **kw))[1])
@@ -655,7 +655,7 @@ def test_attention_spec_kernel_is_checked_and_reaches_flash_attention(monkeypatc
         AttentionSpec("flash", precision="paper", kernel="triton")
     with pytest.raises(SpecError, match=r"triton kernel cannot run block_q=512"):
         AttentionSpec("flash", precision="fa2", kernel="triton", block_q=512)
-    with pytest.raises(SpecError, match="delta hook runs on the pytorch kernel"):
+    with pytest.raises(SpecError, match="hooks run on the pytorch kernel"):
         AttentionSpec("flash", precision="fa2", kernel="triton", delta_hook=lambda *a: None)
     ok = AttentionSpec("flash", precision="fa2", kernel="triton", block_q=64)
     assert ok.short_str() == "flash[fa2,none,64xdefault,triton]"

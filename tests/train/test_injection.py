@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from flashguard.attention import flash_attention, reference_attention
-from flashguard.attention.function import flash_attention_with_delta_hook
-from flashguard.attention.injection import (DeltaHook, DeltaInjection, InjectionClock, inject, injection_generator,
+from flashguard.attention.function import flash_attention_with_hooks
+from flashguard.attention.injection import (DeltaHook, ErrorInjection, InjectionClock, inject, injection_generator,
                                             sign_rule)
 from flashguard.model import AttentionSpec
 from flashguard.train import ConfigError, JsonlLog, build_model, list_checkpoints, load_checkpoint, load_config, train
@@ -35,7 +35,7 @@ def _backward(q, k, v, do, precision="paper", hook=None):
     if hook is None:
         o = flash_attention(q, k, v, is_causal=True, precision=precision, block_q=64, block_k=64)
     else:
-        o = flash_attention_with_delta_hook(q, k, v, delta_hook=hook, is_causal=True, precision=precision,
+        o = flash_attention_with_hooks(q, k, v, delta_hook=hook, is_causal=True, precision=precision,
                                             block_q=64, block_k=64)
     o.backward(do)
     return q.grad, k.grad, v.grad
@@ -54,9 +54,9 @@ def _injected(injection, precision="paper", seed=0):
 def test_real_at_alpha_1_is_the_arithmetic_exactly_and_other_rules_change_it():
     q, k, v, do = _qkv()
     plain = _backward(q, k, v, do)
-    grads = _backward(q, k, v, do, hook=DeltaHook(DeltaInjection(1.0, "real")))
+    grads = _backward(q, k, v, do, hook=DeltaHook(ErrorInjection(1.0, "real")))
     assert all(torch.equal(a, b) for a, b in zip(plain, grads))
-    louder = _backward(q, k, v, do, hook=DeltaHook(DeltaInjection(3.0, "real")))
+    louder = _backward(q, k, v, do, hook=DeltaHook(ErrorInjection(3.0, "real")))
     assert not torch.equal(plain[0], louder[0]) and torch.equal(plain[2], louder[2])  # dV does not use delta
 
 
@@ -64,7 +64,7 @@ def test_real_at_alpha_1_is_the_arithmetic_exactly_and_other_rules_change_it():
                                     ("zero-mean", None)])
 def test_sign_rules_have_their_sign_rate_and_magnitude_alpha_e(rule, p):
     alpha = 3.0
-    r = _injected(DeltaInjection(alpha, rule, p, seed=5))
+    r = _injected(ErrorInjection(alpha, rule, p, seed=5))
     e, injected, ref = r["e"].flatten(), r["injected"].flatten(), r["delta_ref"].flatten()
     tol = 1e-12 * float(ref.abs().max())
     err = injected - ref
@@ -79,7 +79,7 @@ def test_sign_rules_have_their_sign_rate_and_magnitude_alpha_e(rule, p):
 
 def test_shuffled_is_a_permutation_of_e_across_rows():
     alpha = 10.0
-    r = _injected(DeltaInjection(alpha, "shuffled", seed=2))
+    r = _injected(ErrorInjection(alpha, "shuffled", seed=2))
     e, shuffled = r["e"].flatten(), ((r["injected"] - r["delta_ref"]) / alpha).flatten()
     tol = 1e-12 * float(r["delta_ref"].abs().max())
     assert torch.allclose(shuffled.sort().values, e.sort().values, rtol=1e-12, atol=tol)
@@ -87,7 +87,7 @@ def test_shuffled_is_a_permutation_of_e_across_rows():
     # the rule itself: exactly the same multiset, so the same sum of |e|
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 4, 256, 1, generator=g, dtype=torch.float64)
-    y = sign_rule(x, DeltaInjection(alpha, "shuffled"), torch.Generator().manual_seed(1))
+    y = sign_rule(x, ErrorInjection(alpha, "shuffled"), torch.Generator().manual_seed(1))
     assert torch.equal(y.flatten().sort().values, x.flatten().sort().values)
     assert y.abs().flatten().sort().values.sum() == x.abs().flatten().sort().values.sum()
 
@@ -95,13 +95,13 @@ def test_shuffled_is_a_permutation_of_e_across_rows():
 def test_coherent_rule_on_many_values_and_zero_mean_is_coherent_at_one_half():
     e = torch.randn(200_000, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     for p in (0.5, 0.6, 0.75):
-        y = sign_rule(e, DeltaInjection(1.0, "coherent", p), torch.Generator().manual_seed(4))
+        y = sign_rule(e, ErrorInjection(1.0, "coherent", p), torch.Generator().manual_seed(4))
         assert torch.equal(y.abs(), e.abs())
         assert abs(float((y > 0).double().mean()) - p) <= 4.5 * math.sqrt(p * (1 - p) / e.numel())
-    zm = sign_rule(e, DeltaInjection(1.0, "zero-mean"), torch.Generator().manual_seed(4))
-    half = sign_rule(e, DeltaInjection(1.0, "coherent", 0.5), torch.Generator().manual_seed(4))
+    zm = sign_rule(e, ErrorInjection(1.0, "zero-mean"), torch.Generator().manual_seed(4))
+    half = sign_rule(e, ErrorInjection(1.0, "coherent", 0.5), torch.Generator().manual_seed(4))
     assert torch.equal(zm, half)
-    new, err = inject(e + 1.0, torch.ones_like(e), DeltaInjection(2.0, "real"), None)
+    new, err = inject(e + 1.0, torch.ones_like(e), ErrorInjection(2.0, "real"), None)
     assert torch.allclose(new, 1.0 + 2.0 * err, rtol=0, atol=1e-15)
 
 
@@ -113,7 +113,7 @@ def test_the_injected_delta_reaches_ds():
     seen = []
     plain = _backward(q, k, v, do, precision="fp32")
     moved = _backward(q, k, v, do, precision="fp32",
-                      hook=DeltaHook(DeltaInjection(alpha, "real"), observer=lambda **r: seen.append(r)))
+                      hook=DeltaHook(ErrorInjection(alpha, "real"), observer=lambda **r: seen.append(r)))
     shift = (alpha - 1) * seen[0]["e"]                                         # (B, H, T, 1)
     scale = 1 / math.sqrt(q.shape[-1])
     s = (q.double() @ k.double().transpose(-2, -1)) * scale
@@ -130,7 +130,7 @@ def test_the_injected_delta_reaches_ds():
 
 def test_an_fp32_reference_gives_the_paper_arithmetics_e_to_a_thousandth():
     """Why the experiment's presets may use injection.reference = fp32 for bf16 arithmetic."""
-    e64, e32 = (_injected(DeltaInjection(1.0, "real", reference=r))["e"] for r in ("fp64", "fp32"))
+    e64, e32 = (_injected(ErrorInjection(1.0, "real", reference=r))["e"] for r in ("fp64", "fp32"))
     assert float((e32 - e64).abs().max()) <= 1e-3 * float(e64.abs().mean())
     assert torch.equal(e32 > 0, e64 > 0)
 
@@ -148,11 +148,11 @@ def test_draws_come_from_the_injections_own_generator():
     clock.begin_step(8)
     assert clock.next_call(0) == (8, 0)
     before = torch.get_rng_state()
-    _injected(DeltaInjection(3.0, "zero-mean"))
-    _injected(DeltaInjection(3.0, "shuffled"))
+    _injected(ErrorInjection(3.0, "zero-mean"))
+    _injected(ErrorInjection(3.0, "shuffled"))
     assert torch.equal(before, torch.get_rng_state())  # the global generator is not touched
     # the same call draws the same signs; another step other signs
-    h = [DeltaHook(DeltaInjection(3.0, "zero-mean", seed=1), layer=0, observer=lambda **r: seen.append(r))
+    h = [DeltaHook(ErrorInjection(3.0, "zero-mean", seed=1), layer=0, observer=lambda **r: seen.append(r))
          for _ in range(2)]
     seen = []
     for hook, step in zip(h + h[:1], (4, 4, 5)):
@@ -237,7 +237,7 @@ def test_training_with_injection_is_saved_matched_and_resumes_bit_for_bit(tiny_d
 ])
 def test_bad_injection_options_are_refused(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
-        DeltaInjection(**kwargs)
+        ErrorInjection(**kwargs)
 
 
 @pytest.mark.parametrize("override,msg", [
@@ -274,4 +274,4 @@ def test_injection_goes_into_flash_layers_only():
     with pytest.raises(ValueError, match="flash backend only"):
         AttentionSpec(backend="sdpa", delta_hook=lambda d, **kw: d)
     with pytest.raises(TypeError, match="delta_hook must be callable"):
-        flash_attention_with_delta_hook(*_qkv(B=1, H=1, T=8)[:3], delta_hook=3)
+        flash_attention_with_hooks(*_qkv(B=1, H=1, T=8)[:3], delta_hook=3)

@@ -12,7 +12,7 @@ traces a model, as the torch custom operators of ``.ops`` (opaque to the compile
 ``torch.compile(model, fullgraph=True)`` captures it). Both run ``options.run_forward`` /
 ``options.run_backward`` with the same arguments, so compiled and eager numbers are
 bit-identical; eager keeps the Function because the operators' dispatch costs about 0.5 ms a
-call, noticeable on small CPU models. ``flash_attention_with_delta_hook`` (a Python callable in
+call, noticeable on small CPU models. ``flash_attention_with_hooks`` (a Python callable in
 backward, which an operator cannot take) always runs as the Function.
 ``dropout_p > 0`` drops attention probabilities as SDPA does (``.dropout``: a counter-based
 mask, regenerated in backward, seeded from torch's default generator).
@@ -37,16 +37,19 @@ from .options import (DEFAULT_BLOCK, KERNELS, FlashOptions, Forward, flash_optio
 from .triton_flash import triton_available, triton_flash_attention, triton_unsupported
 
 __all__ = ["flash_attention", "scaled_dot_product_attention", "override_sdpa", "DEFAULT_BLOCK", "KERNELS",
-           "FlashOptions", "choose_kernel", "flash_attention_with_delta_hook"]
+           "FlashOptions", "choose_kernel", "flash_attention_with_hooks"]
 
 
 class _FlashAttentionFn(torch.autograd.Function):
     """The eager path (and the delta-hook path): what the operators of .ops compute."""
 
     @staticmethod
-    def forward(ctx, q, k, v, keep, bias, causal, scale, options, delta_hook, dropout):
+    def forward(ctx, q, k, v, keep, bias, causal, scale, options, delta_hook, output_hook, dropout):
         fwd = run_forward(q.detach(), k.detach(), v.detach(), options, keep=keep, bias=bias, causal=causal,
                           scale=scale, dropout=dropout)
+        if output_hook is not None:  # the injection's O: what the next layer and delta both read
+            fwd = fwd._replace(o=output_hook(fwd.o, q=fwd.q, k=fwd.k, v=fwd.v, keep=keep, bias=bias, causal=causal,
+                                             scale=scale, softcap=options.softcap, fmt=options.precision.output))
         ctx.save_for_backward(fwd.q, fwd.k, fwd.v, fwd.o, fwd.lse, fwd.o_highp, keep, bias)
         ctx.meta = (causal, scale, options, q.dtype, k.dtype, v.dtype, delta_hook, dropout)
         return fwd.o.to(q.dtype)
@@ -58,7 +61,7 @@ class _FlashAttentionFn(torch.autograd.Function):
         grads = run_backward(Forward(qc, kc, vc, None, o, lse, o_hp), do, options, keep=keep, bias=bias,
                              causal=causal, scale=scale, dropout=dropout, delta_hook=delta_hook,
                              dtypes=(qdt, kdt, vdt))
-        return grads + (None,) * 7
+        return grads + (None,) * 8
 
 
 def _check_inputs(q, k, v, attn_mask):
@@ -145,22 +148,26 @@ def flash_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, dro
     """
     opts = flash_options(options, fields, where="flash_attention()")
     return _flash_attention(q, k, v, opts, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                            dropout_p=dropout_p, delta_hook=None)
+                            dropout_p=dropout_p)
 
 
-def flash_attention_with_delta_hook(q, k, v, *, delta_hook, attn_mask=None, is_causal=False, scale=None,
-                                    dropout_p: float = 0.0, options: FlashOptions | None = None,
-                                    **fields) -> torch.Tensor:
-    """``flash_attention`` (PyTorch kernel, whatever ``kernel`` says) whose backward pass hands its
-    delta to ``delta_hook`` and uses the delta it returns (see ``flash.flash_backward``): the
-    error-injection experiment's entry (flashguard.attention.injection.DeltaHook), reached from a
-    model layer whose AttentionSpec carries the hook. The forward pass and everything else are
+def flash_attention_with_hooks(q, k, v, *, delta_hook=None, output_hook=None, attn_mask=None, is_causal=False,
+                               scale=None, dropout_p: float = 0.0, options: FlashOptions | None = None,
+                               **fields) -> torch.Tensor:
+    """``flash_attention`` on the PyTorch kernel (whatever ``kernel`` says) with the error-injection
+    experiment's hooks (flashguard.attention.injection), reached from a model layer whose
+    AttentionSpec carries them: the backward pass hands its delta to ``delta_hook`` and uses the
+    delta it returns (see ``flash.flash_backward``); the forward pass hands its O to
+    ``output_hook`` and returns (and saves for the backward) the O it returns. Everything else is
     flash_attention's."""
-    if not callable(delta_hook):
-        raise TypeError(f"delta_hook must be callable, got {type(delta_hook).__name__}")
-    opts = flash_options(options, fields, where="flash_attention_with_delta_hook()")
+    for name, hook in (("delta_hook", delta_hook), ("output_hook", output_hook)):
+        if hook is not None and not callable(hook):
+            raise TypeError(f"{name} must be callable, got {type(hook).__name__}")
+    if delta_hook is None and output_hook is None:
+        raise TypeError("flash_attention_with_hooks() needs a delta_hook or an output_hook (else: flash_attention)")
+    opts = flash_options(options, fields, where="flash_attention_with_hooks()")
     return _flash_attention(q, k, v, opts, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                            dropout_p=dropout_p, delta_hook=delta_hook)
+                            dropout_p=dropout_p, hooks=(delta_hook, output_hook))
 
 
 def _assume_constant_result(fn):
@@ -181,14 +188,15 @@ def _option_keys(precision, stabilizer) -> tuple[str, str]:
     return encode_policy(precision), encode_stabilizer(stabilizer)
 
 
-def _flash_attention(q, k, v, opts: FlashOptions, *, attn_mask, is_causal, scale, dropout_p, delta_hook):
+def _flash_attention(q, k, v, opts: FlashOptions, *, attn_mask, is_causal, scale, dropout_p, hooks=(None, None)):
     _check_inputs(q, k, v, attn_mask)
     dropout_p = check_dropout_p(dropout_p)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     elif not isinstance(scale, numbers.Real) or isinstance(scale, bool):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    compiling = delta_hook is None and torch.compiler.is_compiling()
+    hooked = hooks != (None, None)
+    compiling = not hooked and torch.compiler.is_compiling()
     if compiling:
         # The Triton kernels are not captured by torch.compile yet: "auto" runs the PyTorch
         # operators there, and an explicit "triton" is refused.
@@ -196,7 +204,7 @@ def _flash_attention(q, k, v, opts: FlashOptions, *, attn_mask, is_causal, scale
             raise NotImplementedError("torch.compile: kernel='triton' is not supported under torch.compile "
                                       "(use kernel='pytorch' or 'auto', which compile the PyTorch kernel)")
         which = "pytorch"
-    elif delta_hook is not None:
+    elif hooked:
         which = "pytorch"
     else:
         which = choose_kernel(q, k, v, opts, attn_mask=attn_mask, dropout_p=dropout_p)
@@ -215,7 +223,7 @@ def _flash_attention(q, k, v, opts: FlashOptions, *, attn_mask, is_causal, scale
                                   scale=float(scale), precision=keys[0], stabilizer=keys[1], block_q=block_q,
                                   block_k=block_k, softcap=opts.softcap, dropout_p=dropout_p)
     dropout = None if seed is None else TileDropout(seed, dropout_p, q.shape[0], q.shape[1], q.shape[2], q.device)
-    return _FlashAttentionFn.apply(q, k, v, keep, bias, bool(is_causal), float(scale), opts, delta_hook, dropout)
+    return _FlashAttentionFn.apply(q, k, v, keep, bias, bool(is_causal), float(scale), opts, *hooks, dropout)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,

@@ -1,9 +1,9 @@
-"""Delta error injection: the backward pass's delta replaced by delta_ref + alpha * rule(e).
+"""Error injection: delta (backward) or O (forward) replaced by ref + alpha * rule(e).
 
 The error-injection experiment (issue 12) asks whether the *sign structure* of the delta error,
-not its size, makes training explode. In the backward pass of the PyTorch flash path the
-arithmetic's own delta (``delta_lp``, from ``flash.delta_preprocess``: the policy's
-delta_source and formats) is replaced by
+not its size, makes training explode. At the ``delta`` point (the default), in the backward pass
+of the PyTorch flash path the arithmetic's own delta (``delta_lp``, from
+``flash.delta_preprocess``: the policy's delta_source and formats) is replaced by
 
     delta = delta_ref + alpha * rule(e),   e = delta_lp - delta_ref,
 
@@ -16,7 +16,19 @@ Sign rules (``RULES``), each per row of the (B, H, T_q) delta:
 * ``coherent``   magnitude |e|, sign + with probability ``p`` (independent per row);
 * ``zero-mean``  magnitude |e|, random sign: ``coherent`` with p = 1/2 (the same draws);
 * ``shuffled``   the values of e permuted across the rows of the call (one permutation of all
-                 B * H * T_q rows): the same multiset, so the same sum and sum of |e|.
+                 B * H * T_q rows): the same multiset, so the same sum and sum of |e|;
+* ``exact``      no error: delta = delta_ref (``delta`` point only; alpha must stay 1).
+
+At the ``o`` point (``OutputHook``, issue 23: the lean of O itself removed at the same size) the
+forward pass's O (B, H, T_q, D), in the policy's output storage, is replaced by
+``O_ref + alpha * rule(e)``, e = O_lp - O_ref, per element (``shuffled``: across all elements of
+the call), and rounded back to the output format *stochastically* with the injection's own
+generator: a rounding to nearest would pull a flipped error back toward the grid point it came
+from (an O of bf16 values cannot carry a zero-mean error of the same magnitudes otherwise), while
+stochastic rounding adds an unbiased error, so the injected O is unbiased given e's sign and
+slightly larger than |e| (the observer sees both). ``real`` at alpha = 1 returns O_lp exactly
+(stochastic rounding of a representable value is that value). The backward's delta then reads
+the injected O, as the next layer does.
 
 Exactness: the new delta is computed in fp64 as ``delta_lp + (alpha * rule(e) - e)``, which is
 ``delta_ref + alpha * rule(e)`` up to one fp64 rounding and is ``delta_lp`` *exactly* for
@@ -31,9 +43,9 @@ untouched, and a run (and a resumed run) draws the same signs and permutations a
 step. ``InjectionClock`` carries the step (set by the trainer) and counts the calls of each layer
 within it (micro-batches of gradient accumulation).
 
-The hook reaches ``flash.flash_backward`` through the model's per-layer ``AttentionSpec``
-(``delta_hook``) and ``function.flash_attention_with_delta_hook``; ``flash_attention`` itself
-has no such argument.
+The hooks reach ``flash.flash_backward`` and the forward through the model's per-layer
+``AttentionSpec`` (``delta_hook`` / ``output_hook``) and ``function.flash_attention_with_hooks``;
+``flash_attention`` itself has no such argument.
 """
 from __future__ import annotations
 
@@ -44,12 +56,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..numerics.formats import round_to
 from .reference import reference_attention
 
-__all__ = ["RULES", "REFERENCES", "DeltaInjection", "InjectionClock", "DeltaHook", "sign_rule", "inject",
-           "reference_delta", "injection_generator"]
+__all__ = ["RULES", "POINTS", "REFERENCES", "ErrorInjection", "InjectionClock", "DeltaHook", "OutputHook",
+           "sign_rule", "inject", "reference_delta", "injection_generator", "make_hook"]
 
-RULES = ("real", "coherent", "zero-mean", "shuffled")
+RULES = ("real", "coherent", "zero-mean", "shuffled", "exact")
+POINTS = ("delta", "o")
 REFERENCES = {"fp64": torch.float64, "fp32": torch.float32}
 
 
@@ -58,17 +72,19 @@ def _real(x) -> bool:
 
 
 @dataclass(frozen=True)
-class DeltaInjection:
+class ErrorInjection:
     """What to inject: ``alpha`` (> 0), ``rule`` (one of RULES), ``p`` (``coherent`` only, in
-    [0, 1]: the probability of a positive sign), ``seed`` (an integer >= 0) and ``reference``
-    (``fp64`` or ``fp32``: the arithmetic of O_ref and delta_ref). Checked on construction; a
-    ValueError names the field."""
+    [0, 1]: the probability of a positive sign), ``seed`` (an integer >= 0), ``reference``
+    (``fp64`` or ``fp32``: the arithmetic of O_ref and delta_ref) and ``point`` (``delta``: the
+    backward's delta; ``o``: the forward's O). Checked on construction; a ValueError names the
+    field."""
 
     alpha: float = 1.0
     rule: str = "real"
     p: float | None = None
     seed: int = 0
     reference: str = "fp64"
+    point: str = "delta"
 
     def __post_init__(self):
         if not _real(self.alpha) or not math.isfinite(self.alpha) or self.alpha <= 0:
@@ -84,6 +100,13 @@ class DeltaInjection:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
         if self.reference not in REFERENCES:
             raise ValueError(f"reference must be one of {', '.join(REFERENCES)}, got {self.reference!r}")
+        if self.point not in POINTS:
+            raise ValueError(f"point must be one of {', '.join(POINTS)}, got {self.point!r}")
+        if self.rule == "exact" and self.alpha != 1:
+            raise ValueError(f"alpha applies to the rules with an error (rule exact injects none), got {self.alpha!r}")
+        if self.rule == "exact" and self.point != "delta":
+            raise ValueError("rule exact applies to point delta only (an O in the output format always carries "
+                             "an error; rounded stochastically it is the zero-mean rule's floor)")
 
     @property
     def p_positive(self) -> float | None:
@@ -92,7 +115,8 @@ class DeltaInjection:
 
     def short_str(self) -> str:
         p = f",p={self.p:g}" if self.rule == "coherent" else ""
-        return f"{self.rule}{p},alpha={self.alpha:g}"
+        at = "" if self.point == "delta" else f",point={self.point}"
+        return f"{self.rule}{p},alpha={self.alpha:g}{at}"
 
 
 def injection_generator(seed: int, step: int, call: int, layer: int, rank: int = 0,
@@ -104,11 +128,13 @@ def injection_generator(seed: int, step: int, call: int, layer: int, rank: int =
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
-def sign_rule(e: torch.Tensor, injection: DeltaInjection, generator: torch.Generator | None) -> torch.Tensor:
+def sign_rule(e: torch.Tensor, injection: ErrorInjection, generator: torch.Generator | None) -> torch.Tensor:
     """rule(e): ``e`` (any shape) with the injection's sign rule applied, same dtype."""
     rule = injection.rule
     if rule == "real":
         return e
+    if rule == "exact":
+        return torch.zeros_like(e)
     if rule == "shuffled":
         flat = e.reshape(-1)
         perm = torch.randperm(flat.numel(), generator=generator, device=e.device)
@@ -120,10 +146,10 @@ def sign_rule(e: torch.Tensor, injection: DeltaInjection, generator: torch.Gener
     return torch.where(positive, mag, -mag)
 
 
-def inject(delta_lp: torch.Tensor, delta_ref: torch.Tensor, injection: DeltaInjection,
+def inject(delta_lp: torch.Tensor, delta_ref: torch.Tensor, injection: ErrorInjection,
            generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(new delta, e) in fp64: ``delta_lp + (alpha * rule(e) - e)`` (= delta_ref + alpha * rule(e);
-    exactly delta_lp for ``real`` at alpha = 1) and e = delta_lp - delta_ref."""
+    """(new value, e) in fp64: ``lp + (alpha * rule(e) - e)`` (= ref + alpha * rule(e); exactly lp
+    for ``real`` at alpha = 1) and e = lp - ref. Any shape: delta's (B, H, T_q, 1) or O's."""
     lp, ref = delta_lp.to(torch.float64), delta_ref.to(torch.float64)
     e = lp - ref
     return lp + (injection.alpha * sign_rule(e, injection, generator) - e), e
@@ -168,10 +194,13 @@ class DeltaHook:
     ``observer``, if given, is called as ``observer(layer=, step=, call=, delta_lp=, delta_ref=,
     e=, injected=)`` (fp64 tensors) after each call: the tests read the rule's effect there."""
 
-    def __init__(self, injection: DeltaInjection, layer: int = 0, clock: InjectionClock | None = None,
+    def __init__(self, injection: ErrorInjection, layer: int = 0, clock: InjectionClock | None = None,
                  observer=None):
-        if not isinstance(injection, DeltaInjection):
-            raise TypeError(f"injection must be a DeltaInjection, got {type(injection).__name__}")
+        if not isinstance(injection, ErrorInjection):
+            raise TypeError(f"injection must be an ErrorInjection, got {type(injection).__name__}")
+        if injection.point != "delta":
+            raise ValueError(f"DeltaHook injects at point delta; this injection's point is {injection.point!r} "
+                             "(OutputHook)")
         self.injection, self.layer = injection, int(layer)
         self.clock = clock if clock is not None else InjectionClock()
         self.observer = observer
@@ -185,10 +214,56 @@ class DeltaHook:
         ref = reference_delta(q, k, v, do, keep=keep, bias=bias, causal=causal, scale=scale, softcap=softcap,
                               dtype=REFERENCES[inj.reference])
         gen = None
-        if inj.rule != "real":
+        if inj.rule not in ("real", "exact"):
             gen = injection_generator(inj.seed, step, call, self.layer, self.clock.rank, device=delta.device)
         new, e = inject(delta, ref, inj, gen)
         if self.observer is not None:
             self.observer(layer=self.layer, step=step, call=call, delta_lp=delta.to(torch.float64),
                           delta_ref=ref.to(torch.float64), e=e, injected=new)
         return new.to(torch.promote_types(delta.dtype, torch.float32))  # fp32, or fp64 storage
+
+
+class OutputHook:
+    """The callable the forward pass hands its O to (``point = "o"``): replaces one layer's O.
+
+    ``hook(o, q=, k=, v=, keep=, bias=, causal=, scale=, softcap=, fmt=)`` -> the new O, in o's
+    dtype, rounded stochastically to ``fmt`` (the policy's output format; module docstring).
+    ``observer(layer=, step=, call=, o_lp=, o_ref=, e=, injected=)`` as DeltaHook's (fp64; ``injected``
+    after the final rounding)."""
+
+    def __init__(self, injection: ErrorInjection, layer: int = 0, clock: InjectionClock | None = None,
+                 observer=None):
+        if not isinstance(injection, ErrorInjection):
+            raise TypeError(f"injection must be an ErrorInjection, got {type(injection).__name__}")
+        if injection.point != "o":
+            raise ValueError(f"OutputHook injects at point o; this injection's point is {injection.point!r} "
+                             "(DeltaHook)")
+        self.injection, self.layer = injection, int(layer)
+        self.clock = clock if clock is not None else InjectionClock()
+        self.observer = observer
+
+    def __repr__(self) -> str:
+        return f"OutputHook({self.injection.short_str()}, layer={self.layer})"
+
+    def __call__(self, o, *, q, k, v, keep, bias, causal, scale, softcap, fmt):
+        inj = self.injection
+        step, call = self.clock.next_call(self.layer)
+        mask = keep if keep is not None else bias
+        with torch.no_grad():
+            ref = reference_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                      dtype=REFERENCES[inj.reference], softcap=softcap)
+            gen = injection_generator(inj.seed, step, call, self.layer, self.clock.rank, device=o.device)
+            new, e = inject(o, ref, inj, gen if inj.rule != "real" else None)
+            # (B, H, T_q, D) fp64 -> the output format, unbiased; exact where new is representable
+            out = round_to(new, fmt, "stochastic", generator=gen).to(o.dtype)
+        if self.observer is not None:
+            self.observer(layer=self.layer, step=step, call=call, o_lp=o.to(torch.float64),
+                          o_ref=ref.to(torch.float64), e=e, injected=out.to(torch.float64))
+        return out
+
+
+def make_hook(injection: ErrorInjection, layer: int, clock: InjectionClock, observer=None):
+    """The hook of ``injection.point``: (AttentionSpec field name, hook)."""
+    if injection.point == "o":
+        return "output_hook", OutputHook(injection, layer, clock, observer=observer)
+    return "delta_hook", DeltaHook(injection, layer, clock, observer=observer)

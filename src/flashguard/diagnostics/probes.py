@@ -178,7 +178,7 @@ def _trained_arithmetic(cap: LayerCapture, policy, stab) -> Arithmetic:
     spec = cap.spec
     block_q, block_k = getattr(spec, "block_q", None), getattr(spec, "block_k", None)
     opts = FlashOptions(precision=policy, stabilizer=stab, block_q=block_q, block_k=block_k, kernel="pytorch")
-    if cap.backend == "flash" and spec is not None and spec.delta_hook is None:
+    if cap.backend == "flash" and spec is not None and not spec.hooked:
         kernel = choose_kernel(cap.q, cap.k, cap.v, opts.replace(kernel=spec.kernel).capped(cap.softcap))
         if kernel == "triton":
             head_dim = max(cap.q.shape[-1], cap.v.shape[-1])

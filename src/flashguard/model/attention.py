@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..attention import flash_attention, reference_attention
 from ..attention.dropout import check_dropout_p, draw_seed, dropout_keep_mask
-from ..attention.function import choose_kernel, flash_attention_with_delta_hook
+from ..attention.function import choose_kernel, flash_attention_with_hooks
 from ..attention.options import (DEFAULT_KERNEL, DEFAULT_PRECISION, DEFAULT_STABILIZER, KERNELS, FlashOptions,
                                  OptionError)
 from ..attention.stabilizers import Stabilizer
@@ -81,10 +81,10 @@ class AttentionSpec:
     Triton on CUDA when it supports the call, else PyTorch; ``pytorch``; ``triton``, refused here
     for settings it cannot run), checked and resolved once into ``options``, the
     ``FlashOptions`` the layer runs (its soft-cap is the model's, GPTConfig.attn_softcap, added
-    per layer). ``delta_hook`` is the flash backend's too: a callable the layer's backward pass
-    hands its delta to and takes the delta to use from (the error-injection experiment,
-    flashguard.attention.injection; the PyTorch kernel then runs, so ``kernel`` may not be
-    ``triton``).
+    per layer). ``delta_hook`` and ``output_hook`` are the flash backend's too: callables the
+    layer's backward pass hands its delta to (the forward pass its O) and takes the value to use
+    from (the error-injection experiment, flashguard.attention.injection; the PyTorch kernel then
+    runs, so ``kernel`` may not be ``triton``).
     """
 
     backend: str = "sdpa"
@@ -94,6 +94,7 @@ class AttentionSpec:
     block_k: int | None = dataclasses.field(default=None, metadata=_FLASH)
     kernel: str = dataclasses.field(default=DEFAULT_KERNEL, metadata=_FLASH)
     delta_hook: Callable | None = dataclasses.field(default=None, metadata={"flash": True, "setting": False})
+    output_hook: Callable | None = dataclasses.field(default=None, metadata={"flash": True, "setting": False})
     # the flash fields above, resolved (not a field a spec is made with, compared or saved by)
     options: FlashOptions = dataclasses.field(init=False, repr=False, compare=False)
 
@@ -107,13 +108,15 @@ class AttentionSpec:
             raise SpecError(e.field, e.problem) from None
         # frozen: the one sanctioned way to set a field is object.__setattr__ in __post_init__
         object.__setattr__(self, "options", options)
-        if self.delta_hook is not None and not callable(self.delta_hook):
-            raise SpecError("delta_hook", f"must be None or callable, got {self.delta_hook!r}")
-        if self.delta_hook is not None and self.backend != "flash":
-            raise SpecError("delta_hook", f"applies to the flash backend only, not {self.backend!r}")
+        for name in ("delta_hook", "output_hook"):
+            hook = getattr(self, name)
+            if hook is not None and not callable(hook):
+                raise SpecError(name, f"must be None or callable, got {hook!r}")
+            if hook is not None and self.backend != "flash":
+                raise SpecError(name, f"applies to the flash backend only, not {self.backend!r}")
         if self.backend == "flash" and self.kernel == "triton":
-            if self.delta_hook is not None:
-                raise SpecError("kernel", "the injection's delta hook runs on the pytorch kernel, not triton")
+            if self.hooked:
+                raise SpecError("kernel", "the injection's hooks run on the pytorch kernel, not triton")
             reason = triton_unsupported_settings(precision=options.precision, stabilizer=options.stabilizer,
                                                  block_q=options.block_q, block_k=options.block_k)
             if reason:
@@ -132,14 +135,19 @@ class AttentionSpec:
                                           f"backend is {spec.backend!r}")
         return spec
 
+    @property
+    def hooked(self) -> bool:
+        """Whether the injection's hooks ride on this layer (then the PyTorch kernel runs it)."""
+        return self.delta_hook is not None or self.output_hook is not None
+
     def settings(self) -> dict:
-        """The fields a configuration sets (all but delta_hook), by name."""
+        """The fields a configuration sets (all but the hooks), by name."""
         return {name: getattr(self, name) for name in SETTINGS}
 
     def kernel_for(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softcap: float | None = None) -> str:
         """The flash kernel this spec runs on these inputs, ``pytorch`` or ``triton``: ``kernel``
         resolved as flash_attention resolves it (choose_kernel); the delta hook's path is PyTorch."""
-        if self.delta_hook is not None:
+        if self.hooked:
             return "pytorch"
         return choose_kernel(q, k, v, self.options.capped(softcap))
 
@@ -243,8 +251,9 @@ def attend(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
     if backend == "flash":
         options = spec.options.capped(softcap)
-        if spec.delta_hook is not None:
-            return flash_attention_with_delta_hook(q, k, v, delta_hook=spec.delta_hook, is_causal=True,
+        if spec.hooked:
+            return flash_attention_with_hooks(q, k, v, delta_hook=spec.delta_hook, output_hook=spec.output_hook,
+                                              is_causal=True,
                                                    options=options, dropout_p=dropout_p)
         return flash_attention(q, k, v, is_causal=True, options=options, dropout_p=dropout_p)
     # math: the formula in fp32, whatever autocast would do to its matmuls; dropout with the keep

@@ -114,13 +114,15 @@ class TrainConfig:
 @dataclass
 class InjectionConfig:
     """The error-injection experiment (flashguard.attention.injection): in the backward pass of the
-    chosen flash layers delta = delta_ref + alpha * rule(e), e = the arithmetic's delta - delta_ref."""
-    rule: str = "none"                # none (off) | real | coherent | zero-mean | shuffled
+    chosen flash layers delta = delta_ref + alpha * rule(e), e = the arithmetic's delta - delta_ref
+    (point = "o": the forward's O = O_ref + alpha * rule(e), rounded stochastically)."""
+    rule: str = "none"                # none (off) | real | coherent | zero-mean | shuffled | exact
     alpha: float = 1.0                # scale of the injected error (> 0)
     p: float | None = None            # coherent only: probability of a positive sign, in [0, 1]
     layers: list = field(default_factory=list)  # layer indices (e.g. [1]); empty: every flash layer
     seed: int | None = None           # seed of the injection's own generator; unset: train.seed
     reference: str = "fp64"           # arithmetic of the exact O_ref and delta_ref: fp64 | fp32
+    point: str = "delta"              # where: delta (the backward's) | o (the forward's output)
 
 
 @dataclass
@@ -269,8 +271,9 @@ def _validate_attention(a: AttentionConfig) -> None:
     for name in ("precision", "stabilizer"):
         if not isinstance(getattr(a.spec, name), str):
             raise ConfigError(f"attention.{name} must be a name (a config is saved as TOML), got {getattr(a.spec, name)!r}")
-    if a.spec.delta_hook is not None:
-        raise ConfigError("attention.delta_hook is not a config key (the [injection] section installs hooks)")
+    if a.spec.hooked:
+        raise ConfigError("attention.delta_hook / output_hook are not config keys (the [injection] section "
+                          "installs hooks)")
     for key, value in a.layers.items():
         where = f"attention.layers.{key}"
         if not str(key).isdigit():
@@ -297,23 +300,24 @@ def _validate_injection(inj: "InjectionConfig") -> None:
         raise ConfigError(f"injection.rule must be none (off) or one of {', '.join(RULES)}, got {inj.rule!r}")
     if inj.rule == "none":
         default = InjectionConfig()
-        set_ = [k for k in ("alpha", "p", "layers", "seed", "reference") if getattr(inj, k) != getattr(default, k)]
+        set_ = [k for k in ("alpha", "p", "layers", "seed", "reference", "point")
+                if getattr(inj, k) != getattr(default, k)]
         if set_:
             raise ConfigError(f"injection.{set_[0]} is set but injection.rule = none (no injection); "
-                              "choose a rule: real, coherent, zero-mean or shuffled")
+                              f"choose a rule: {', '.join(RULES)}")
         return
-    injection_of(inj, seed=0)  # the one validation of the options (DeltaInjection's), named by key
+    injection_of(inj, seed=0)  # the one validation of the options (ErrorInjection's), named by key
 
 
 def injection_of(inj: "InjectionConfig", seed: int):
-    """The DeltaInjection of an [injection] section (None for rule = none); ``seed`` is used when
+    """The ErrorInjection of an [injection] section (None for rule = none); ``seed`` is used when
     injection.seed is unset (the trainer passes train.seed). ConfigError names a bad key."""
     if inj.rule == "none":
         return None
-    from ..attention.injection import DeltaInjection
+    from ..attention.injection import ErrorInjection
     try:
-        return DeltaInjection(alpha=inj.alpha, rule=inj.rule, p=inj.p,
-                              seed=seed if inj.seed is None else inj.seed, reference=inj.reference)
+        return ErrorInjection(alpha=inj.alpha, rule=inj.rule, p=inj.p, seed=seed if inj.seed is None else inj.seed,
+                              reference=inj.reference, point=inj.point)
     except ValueError as e:
         raise ConfigError(f"injection.{e}") from None
 

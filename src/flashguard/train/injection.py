@@ -1,4 +1,4 @@
-"""The [injection] section put into a model: one DeltaHook per chosen flash layer, one clock.
+"""The [injection] section put into a model: one hook per chosen flash layer, one clock.
 
     clock = install_injection(model, cfg, rank=rank)   # None when injection.rule = "none"
     each step: clock.begin_step(step)                  # before the step's forward/backward
@@ -6,7 +6,8 @@
 The trainer does both through ``InjectionHook`` (a flashguard.train.hooks.TrainHook):
 ``InjectionHook.install(model, cfg, rank=rank)`` when it builds the model, ``step_begin`` each step.
 
-The hooks ride on the layers' AttentionSpecs (``delta_hook``), so nothing global changes and a
+The hooks (DeltaHook, or OutputHook for injection.point = o) ride on the layers' AttentionSpecs
+(``delta_hook`` / ``output_hook``), so nothing global changes and a
 model built without them (diagnose, the report) runs the plain arithmetic. The draws depend on
 (injection seed, step, call within the step, layer, rank) only: a resumed or replayed run draws
 the same signs at the same steps without any state in the checkpoint.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..attention.injection import DeltaHook, InjectionClock
+from ..attention.injection import InjectionClock, make_hook
 from .config import ConfigError, RunConfig, injection_of
 from .hooks import TrainHook
 
@@ -43,7 +44,7 @@ def injected_layers(model, layers) -> list[int]:
 
 
 def install_injection(model, cfg: RunConfig, *, rank: int = 0, observer=None) -> InjectionClock | None:
-    """Give the chosen flash layers of ``model`` (a GPT) a DeltaHook of ``cfg.injection`` sharing
+    """Give the chosen flash layers of ``model`` (a GPT) a hook of ``cfg.injection`` sharing
     one InjectionClock, which is returned (None, and the model untouched, for rule = none)."""
     injection = injection_of(cfg.injection, seed=cfg.train.seed)
     if injection is None:
@@ -51,7 +52,8 @@ def install_injection(model, cfg: RunConfig, *, rank: int = 0, observer=None) ->
     clock = InjectionClock(rank=rank)
     specs = list(model.attention_specs)
     for i in injected_layers(model, list(cfg.injection.layers)):
-        specs[i] = dataclasses.replace(specs[i], delta_hook=DeltaHook(injection, i, clock, observer=observer))
+        field, hook = make_hook(injection, i, clock, observer=observer)
+        specs[i] = dataclasses.replace(specs[i], **{field: hook})
     model.set_attention(specs)
     return clock
 

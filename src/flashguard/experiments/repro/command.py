@@ -12,26 +12,30 @@ __all__ = ["add_repro_arguments", "run_repro_command"]
 
 def add_repro_arguments(p: argparse.ArgumentParser) -> None:
     from ..injection.presets import INJECTION_PRESETS
+    from ..edge.presets import EDGE_PRESETS
     from ..lr_sensitivity.presets import LR_PRESETS
     from ..natural.presets import NATURAL_PRESETS
     p.add_argument("--preset", default=None,
                    help=f"training set-up (default: tiny-cpu; natural: nat512); claims: {', '.join(PRESETS)}; "
                         f"injection: {', '.join(INJECTION_PRESETS)}; lr-sensitivity: {', '.join(LR_PRESETS)}; "
-                        f"natural: {', '.join(NATURAL_PRESETS)}")
+                        f"natural: {', '.join(NATURAL_PRESETS)}; edge: {', '.join(EDGE_PRESETS)}")
     p.add_argument("--experiment", default="claims",
-                   choices=("claims", "injection", "early-warning", "lr-sensitivity", "natural"),
+                   choices=("claims", "injection", "early-warning", "lr-sensitivity", "natural", "edge"),
                    help="claims: the study's claims as matched runs (default); injection: the delta error-injection "
                         "grid (alpha x sign rule) with its phase diagram; early-warning: the early-warning detectors "
                         "measured on finished runs (--runs), nothing trained; lr-sensitivity: final loss over a log "
                         "grid of learning rates per attention arithmetic (Wortsman et al. 2023), with verdicts; "
                         "natural: the natural-preconditions arms (fp32, paper, paper-fix, paper-fp32fwd on short "
                         "documents) with claims N1-N5 on the delta lean across probes and divergence (trains the "
-                        "arms, or analyses finished ones given by --runs arm=DIR,...)")
+                        "arms, or analyses finished ones given by --runs arm=DIR,...); edge: at the lr where paper "
+                        "diverges and fp32 trains, arms that change one part of the attention error (its sign at the "
+                        "same size, its size, delta's or O's, forward or backward, the real kernel), >= 10 seeds, "
+                        "Fisher and log-rank against paper (claims E0-E10)")
     p.add_argument("--runs", nargs="+", metavar="DIR",
                    help="early-warning: folders of finished runs (searched recursively; unfinished runs skipped); "
                         "natural: ARM=DIR,ARM=DIR,... run folders to analyse, nothing trained (arms not given are "
                         "'not run'; an unfinished run is judged on what it has)")
-    p.add_argument("--seeds", help="injection, lr-sensitivity: comma-separated training seeds, every arm (every "
+    p.add_argument("--seeds", help="injection, lr-sensitivity, edge: comma-separated training seeds, every arm (every "
                                    "run of the grid) per seed (default: the config's train.seed)")
     p.add_argument("--claims", default=None,
                    help=f"comma-separated claims to test (default: all of {','.join(CLAIMS)}); only their runs are trained")
@@ -53,10 +57,12 @@ def run_repro_command(args) -> int:
         return _run_lr_sensitivity_command(args)
     if args.experiment == "natural":
         return _run_natural_command(args)
+    if args.experiment == "edge":
+        return _run_edge_command(args)
     if args.runs is not None:
         raise ValueError("--runs applies to --experiment early-warning and natural only")
     if args.seeds is not None:
-        raise ValueError("--seeds applies to --experiment injection and lr-sensitivity only")
+        raise ValueError("--seeds applies to --experiment injection, lr-sensitivity and edge only")
     claims = [c.strip().upper() for c in (args.claims or ",".join(CLAIMS)).split(",") if c.strip()]
     result = run_repro(get_preset(args.preset or "tiny-cpu"), args.out, claims=claims, remedies=args.remedies,
                        steps=args.steps, overrides=args.overrides)
@@ -93,6 +99,25 @@ def _seeds(text: str | None) -> list[int] | None:
     if not seeds:
         raise ValueError("--seeds is empty")
     return seeds
+
+
+def _run_edge_command(args) -> int:
+    from ..edge import get_edge_preset, run_edge
+    wrong = [n for n, v in (("--claims", args.claims), ("--remedies", args.remedies or None), ("--runs", args.runs))
+             if v is not None]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)}: not for --experiment edge (it trains its own arms and judges claims "
+                         "E0-E10)")
+    result = run_edge(get_edge_preset(args.preset or "micro-edge"), args.out, seeds=_seeds(args.seeds),
+                      steps=args.steps, overrides=args.overrides)
+    for block in result["by_lr"]:
+        print(f"peak lr {block['lr']:.3g}:")
+        for a in block["arms"]:
+            print(f"  {a['label']:<40} diverged {a['diverged']}/{a['finished']}")
+        for c in block["claims"]:
+            print(f"  {c['id']:<4} {c['verdict']:<12} {c['evidence']}")
+    print(f"tables and runs: {args.out}/edge.md")
+    return 0
 
 
 def _run_lr_sensitivity_command(args) -> int:

@@ -1,0 +1,161 @@
+"""`flashguard repro --experiment edge`: which part of bf16 attention's error makes the LR edge.
+
+    OUT/edge.json   preset, seeds, every run's overrides and outcome, per-arm counts, the error
+                    sizes of the injected arms, the claims' verdicts
+    OUT/edge.md     the same as tables
+    OUT/runs/s<SEED>/<ARM>/lr<LR>/   each training run
+
+Runs go through the repro's ``train_run`` (finished runs skipped, interrupted ones resumed), so
+rerunning the command continues; seeds may be split across processes writing to one OUT (each
+writes the results of what it sees; a last run over all seeds writes the whole). The schedule
+and the divergence rule are the LR experiment's (experiments/lr_sensitivity), the arms and the
+claims presets.py's, the rules analysis.py's.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ...train import load_config
+from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
+from ...utils.atomic import atomic_write_text
+from ..lr_sensitivity.analysis import run_outcome
+from ..lr_sensitivity.presets import GRID_KEYS, lr_name, run_spec
+from ..lr_sensitivity.runner import _common, _drop_checkpoints, warmup_steps
+from ..repro.presets import config_path, get_preset
+from ..repro.runner import _versions, markdown_footer, train_run
+from .analysis import arm_summary, judge_claims, rules_text
+from .presets import EdgePreset
+from .sizes import injected_error_sizes
+
+__all__ = ["run_edge", "edge_markdown"]
+
+
+def _run_dir(out: Path, seed: int, arm: str, lr: float) -> Path:
+    return out / "runs" / f"s{seed}" / arm / lr_name(lr)
+
+
+def _check_overrides(overrides) -> None:
+    taken = [o for o in overrides if o.split("=", 1)[0].strip() in GRID_KEYS
+             or o.split("=", 1)[0].strip().startswith(("injection.", "attention.backend"))]
+    if taken:
+        raise ValueError(f"{', '.join(taken)}: set by the edge experiment's arms for every run; choose another "
+                         "preset, --seeds or --steps instead")
+
+
+def run_edge(preset: EdgePreset, out: str | Path, *, seeds=None, steps: int | None = None, overrides=(),
+             progress: bool = False, keep_checkpoints: bool = False, log=print) -> dict:
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    overrides = list(overrides)
+    _check_overrides(overrides)
+    out = Path(out)
+    base = config_path(get_preset(preset.repro))
+    steps = steps or preset.steps
+    common = _common(preset, steps, progress, overrides)
+    for a in preset.arms:  # every arm's config must load before anything trains
+        load_config(base, [*common, *run_spec(a, preset.lrs[0], 0).overrides, f"train.steps={steps}"])
+    seeds = list(preset.seeds) if not seeds else [int(s) for s in seeds]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds: repeated seed in {seeds}")
+    t0 = time.perf_counter()
+    sizes = _sizes(out, base, common, preset, seeds[0], log)
+    n, i = len(seeds) * len(preset.arms) * len(preset.lrs), 0
+    for seed in seeds:
+        for lr in preset.lrs:
+            for a in preset.arms:
+                i += 1
+                spec = run_spec(a, lr, seed)
+                d = _run_dir(out, seed, a.name, lr)
+                log(f"[{i}/{n}] seed {seed} {spec.title}")
+                if train_run(spec, base, common, steps, d, log):
+                    if not keep_checkpoints:
+                        _drop_checkpoints(d, steps)
+                    _write(out, preset, seeds, steps, common, sizes)  # survives an interrupt
+    result = _write(out, preset, seeds, steps, common, sizes)
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def _sizes(out: Path, base, common, preset: EdgePreset, seed: int, log) -> dict:
+    """The injected arms' error sizes (sizes.py), measured once and kept in OUT/error_sizes.json."""
+    path = out / "error_sizes.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    log(f"measuring the injected arms' error sizes (seed {seed}, first batch, at initialisation)")
+    sizes = {"seed": seed}
+    for a in preset.arms:
+        s = injected_error_sizes(base, common, a, seed)
+        if s is not None:
+            sizes[a.name] = s
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(sizes, indent=1) + "\n")
+    return sizes
+
+
+def _write(out: Path, preset: EdgePreset, seeds, steps: int, common, sizes: dict) -> dict:
+    labels = {a.name: a.label for a in preset.arms}
+    runs, per_lr = [], []
+    for lr in preset.lrs:
+        outcomes = {a.name: {s: run_outcome(_run_dir(out, s, a.name, lr), steps) for s in seeds} for a in preset.arms}
+        for a in preset.arms:
+            for s in seeds:
+                runs.append({"seed": s, "arm": a.name, "label": a.label, "lr": lr,
+                             "dir": f"runs/s{s}/{a.name}/{lr_name(lr)}",
+                             "overrides": [*common, *run_spec(a, lr, s).overrides], **outcomes[a.name][s]})
+        per_lr.append({"lr": lr, "arms": [{"arm": a.name, "label": a.label, **arm_summary(outcomes[a.name])}
+                                          for a in preset.arms],
+                       "claims": judge_claims(preset.claims, outcomes, labels)})
+    result = {"experiment": "edge", "preset": preset.name, "about": preset.about, "repro_preset": preset.repro,
+              "steps": steps, "warmup_steps": warmup_steps(steps), "seeds": seeds, "lrs": list(preset.lrs),
+              "arms": [{"name": a.name, "label": a.label, "overrides": list(a.overrides)} for a in preset.arms],
+              "divergence_rule": describe_rule(DIVERGENCE_FACTOR), "rules": rules_text(),
+              "error_sizes": sizes, "by_lr": per_lr, "versions": _versions(), "runs": runs}
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "edge.json", json.dumps(result, indent=1, default=float) + "\n")
+    atomic_write_text(out / "edge.md", edge_markdown(result))
+    return result
+
+
+def _f(x, fmt=".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def edge_markdown(result: dict) -> str:
+    seeds = result["seeds"]
+    lines = [f"# flashguard edge attribution: {result['preset']}", "",
+             f"{result['about']}. {result['steps']} steps a run (warm-up {result['warmup_steps']}, cosine to lr/10), "
+             f"seeds {', '.join(map(str, seeds))}. Divergence: {result['divergence_rule']}.", "",
+             result["rules"], ""]
+    for block in result["by_lr"]:
+        lines += [f"## Peak lr {block['lr']:.3g}", "",
+                  "| arm | diverged / seeds | steps of divergence | median step | mean final loss (trained runs) |",
+                  "|---|---|---|---|---|"]
+        for a in block["arms"]:
+            unfinished = f" ({len(a['unfinished_seeds'])} unfinished)" if a["unfinished_seeds"] else ""
+            lines.append(f"| {a['label']} | {a['diverged']}/{a['finished']}{unfinished} | "
+                         f"{', '.join(map(str, a['diverged_steps'])) or '-'} | {_f(a['median_step'], 'g')} | "
+                         f"{_f(a['mean_final_loss'])} |")
+        lines += ["", "| claim | verdict | evidence |", "|---|---|---|"]
+        lines += [f"| {c['id']}: {c['title']} | **{c['verdict']}** | {c['evidence']} |" for c in block["claims"]]
+        lines.append("")
+    sizes = {k: v for k, v in result["error_sizes"].items() if k != "seed"}
+    if sizes:
+        labels = {a["name"]: a["label"] for a in result["arms"]}
+        lines += [f"Injected arms' error sizes (seed {result['error_sizes']['seed']}, first batch, at initialisation, "
+                  "elements of every layer pooled): rms of the arithmetic's own error, rms of the error the run got, "
+                  "their ratio, and mean(error) / mean(|error|) of each (a description, not a test).", "",
+                  "| arm | point | rms own | rms injected | ratio | lean own | lean injected |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, s in sizes.items():
+            lines.append(f"| {labels.get(name, name)} | {s['point']} | {s['rms_own']:.3g} | {s['rms_injected']:.3g} | "
+                         f"{_f(s['ratio'])} | {_f(s['lean_own'], '+.3f')} | {_f(s['lean_injected'], '+.3f')} |")
+        lines.append("")
+    lines += ["| seed | arm | peak lr | status | steps | diverged at | reason | final loss |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        reason = r.get("divergence") or ""
+        lines.append(f"| {r['seed']} | {r['label']} | {r['lr']:.3g} | {r['status']} | {r['steps']} | "
+                     f"{_f(r['diverged_at'], 'd')} | {reason} | {_f(r['final_loss'])} |")
+    lines += markdown_footer(result)
+    return "\n".join(lines) + "\n"
