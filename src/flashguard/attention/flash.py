@@ -32,6 +32,7 @@ import torch
 from ..numerics.arith import cast, emulate, rowsum, storage_dtype
 from ..numerics.fast_exp import FEXP_LANES, fexp_u20
 from ..numerics.formats import FP32, FP64, FloatFormat
+from ..numerics.gpu_exp import EXP2_IMPLEMENTATIONS, Exp2Steps
 from ..numerics.policy import PrecisionPolicy
 from .dropout import TileDropout
 from .stabilizers import Stabilizer
@@ -292,13 +293,23 @@ def _tile_hidden(hide, causal, q0, q1, k0, k1, device) -> "_Hidden | None":
     return None if tile is None else _Hidden(tile)
 
 
-def _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap=None, want_tanh=False):
+def _exp2_steps(policy: PrecisionPolicy, scale: float, bias, softcap) -> "Exp2Steps | None":
+    """The GPU kernel's exponent steps of ``policy.exp`` (numerics.gpu_exp), or None for the CPU
+    forms. The raw scores q k^T feed them unless a bias or soft-cap sits between (see Exp2Steps)."""
+    if policy.exp not in EXP2_IMPLEMENTATIONS:
+        return None
+    return Exp2Steps(policy.exp, scale, raw=bias is None and softcap is None)
+
+
+def _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap=None, want_tanh=False, want_raw=False):
     """S = round(round(q k^T) * scale) of the tile (q rows q0:q1, k rows k0:k1), soft-capped to
     cap * tanh(S / cap) if ``softcap``, plus ``bias``; in the scores format, a fresh tensor.
     ``ops``: the call's _Operands. With ``want_tanh`` also returns the tanh (for the soft-cap's
-    derivative in backward), else None."""
+    derivative in backward), else None. With ``want_raw`` returns (s, t, raw): raw = round(q k^T)
+    before the scale (the input of the GPU kernels' exp2 forms)."""
     fmt = policy.scores
     s = ops.mm(ops.tile(q, q0, q1, out_fmt=fmt), ops.tile(k, k0, k1, transpose=True, out_fmt=fmt), fmt)
+    raw = s.clone() if want_raw else None
     s = _rounded(s.mul_(scale), fmt)
     t = None
     if softcap is not None:
@@ -308,6 +319,8 @@ def _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap=None, want_t
             t = None
     if bias is not None:
         s = _rounded(s.add_(bias[..., q0:q1, k0:k1].to(s.dtype)), fmt)
+    if want_raw:
+        return s, t, raw
     return s, t
 
 
@@ -355,10 +368,13 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
     # the high-precision copy of O: fp32, or fp64 when the policy itself accumulates in fp64
     hp_fmt = FP64 if storage_dtype(acc_fmt) == torch.float64 else FP32
     ops = _Operands()
+    gpu = _exp2_steps(policy, scale, bias, softcap)
     o_tiles, lse_tiles, hp_tiles = [], [], []
     for q0, q1 in tile_ranges(Tq, block_q):
         n = q1 - q0
         m = torch.full((B, H, n, 1), m_init, dtype=storage_dtype(stats), device=q.device)
+        # a GPU exp2 form's own running shift, in its exponent's input units (fp32)
+        m_u = torch.full((B, H, n, 1), float("-inf"), device=q.device) if gpu is not None else None
         l = torch.zeros((B, H, n, 1), dtype=storage_dtype(stats), device=q.device)
         acc = torch.zeros((B, H, n, Dv), dtype=storage_dtype(acc_fmt), device=q.device)
         acc_hp = torch.zeros((B, H, n, Dv), dtype=hp_fmt.torch_dtype, device=q.device) if keep_highp_o else None
@@ -377,17 +393,33 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
                                device=q.device)
             else:
                 th = _tile_hidden(hide, causal, q0, q1, k0, k1, q.device)
-                s, _ = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap)  # (B, H, n, bk)
+                raw = None
+                if gpu is not None and gpu.raw:
+                    s, _, raw = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap, want_raw=True)
+                else:
+                    s, _ = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap)  # (B, H, n, bk)
                 if th is not None:
                     th.fill_(s, fill)
+                    if raw is not None:
+                        th.fill_(raw, fill)
             row_max = s.amax(dim=-1, keepdim=True)
             m_new = torch.maximum(stabilizer.shift(s, row_max, policy), m)
             # rows with nothing visible yet (all -inf) shift by 0 so that exp gives 0, not NaN
             m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
             if observe is not None:
                 s_seen = s.clone()
+            f_gpu = None
             if fully_hidden:
                 p_full = torch.zeros_like(s)  # exp(fill - m) underflows, or is masked, everywhere
+            elif gpu is not None:
+                # the kernel's shift: its own row max, unless a stabilizer moved m_new above the plain max
+                u = raw if raw is not None else s
+                plain = m_new == torch.maximum(row_max, m)
+                m_u_new = torch.where(plain, torch.maximum(m_u, u.amax(dim=-1, keepdim=True)), gpu.units(m_new))
+                m_u_safe = torch.where(torch.isneginf(m_u_new), torch.zeros_like(m_u_new), m_u_new)
+                p_full = gpu.p(u, m_u_safe)
+                f_gpu = gpu.rescale(m_u, m_u_safe)
+                m_u = m_u_new
             else:
                 x = _rounded(s.sub_(m_safe), policy.scores)  # consumes s
                 x_fast = _fast_exp_columns(x, policy)
@@ -417,7 +449,7 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
             if observe is not None:
                 observe((q0, q1, k0, k1), s=s_seen, hidden=None if th is None else th.mask, row_max=row_max,
                         m_new=m_new, pbar=pbar, pv=pv)
-            f = cast(torch.exp(cast(m - m_safe, stats)), stats)  # rescale of the old state
+            f = cast(torch.exp(cast(m - m_safe, stats)), stats) if f_gpu is None else f_gpu  # rescale of the old state
             l = cast(cast(f * l, stats) + tile_sum, stats)
             acc = cast(cast(acc * f, acc_fmt) + pv, acc_fmt)
             if acc_hp is not None:
@@ -435,7 +467,10 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
             o = cast(o * dropout.scale, acc_fmt)
         o = _Hidden(empty).fill_(o, 0.0)  # o is a fresh tensor
         o_tiles.append(cast(o, policy.output))
-        lse = cast(cast(torch.log(l), policy.lse) + m, policy.lse)
+        if gpu is not None:
+            lse = cast(gpu.lse(m_u, l), policy.lse)
+        else:
+            lse = cast(cast(torch.log(l), policy.lse) + m, policy.lse)
         lse_tiles.append(lse.masked_fill(empty, float("inf")))
         if acc_hp is not None:
             lw = l.to(acc_hp.dtype)
@@ -455,7 +490,17 @@ def _cat(tiles: list) -> torch.Tensor:
 def _p_tile(ops, q, k, lse_i, hide, bias, causal, q0, q1, k0, k1, scale, policy, softcap=None):
     """Recompute P = exp(S - lse) for one tile in the ``p`` format (masked entries 0: they
     are -inf before exp; lse is never -inf, empty rows carry +inf). Also returns the soft-cap
-    derivative 1 - tanh^2 in the ``p`` format (None without soft-capping)."""
+    derivative 1 - tanh^2 in the ``p`` format (None without soft-capping). A GPU exp2 form
+    (FA2 / FA3) recomputes P in its own form: exp2(u c - fp32(lse log2 e)), then rounded to ``p``."""
+    gpu = _exp2_steps(policy, scale, bias, softcap)
+    if gpu is not None and gpu.backward_exp2:
+        s, t, raw = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap, want_tanh=True, want_raw=True)
+        dcap = None if t is None else cast(1.0 - cast(t * t, policy.p), policy.p)
+        u = raw if gpu.raw else s
+        th = _tile_hidden(hide, causal, q0, q1, k0, k1, q.device)
+        if th is not None:
+            th.fill_(u, float("-inf"))
+        return cast(gpu.p_from_lse(u, lse_i), policy.p), dcap
     s, t = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap, want_tanh=True)
     dcap = None if t is None else cast(1.0 - cast(t * t, policy.p), policy.p)
     th = _tile_hidden(hide, causal, q0, q1, k0, k1, q.device)
@@ -530,6 +575,7 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
     # matmul operands, converted once: S = q k^T, dP = dO v^T, dV = P^T dO, dQ = dS k, dK = dS^T q
     ops = _Operands()
     gp = policy.grad_partial
+    scale_ds = policy.ds_scale == "operand"
 
     def hidden(q0, q1, k0, k1):
         return causal and k0 > q1 - 1  # contributes exactly zero: skipped
@@ -571,16 +617,23 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
                         policy.dp)
             if dropout is not None:
                 dp = _dropped_dp(dp, kt, dropout.scale, policy)
-            # dS = (P * scale) * (dP - delta), each op rounded to the p format, in place
+            # dS = (P * scale) * (dP - delta), each op rounded to the p format, in place; with
+            # ds_scale="accumulator" dS = P * (dP - delta) and the scale goes on the finished dQ / dK
             dp_minus = cast(_rounded(dp.sub_(delta[..., q0:q1, :]), policy.dp), policy.p)
-            ds = _rounded(_rounded(p.mul_(scale), policy.p).mul_(dp_minus), policy.p)
+            if scale_ds:
+                p = _rounded(p.mul_(scale), policy.p)
+            ds = _rounded(p.mul_(dp_minus), policy.p)
             if dcap is not None:  # through the soft-cap: d(cap * tanh(x / cap)) / dx = 1 - tanh^2
                 ds = _rounded(ds.mul_(dcap), policy.p)
             ds = _operand(cast(ds, policy.ds), policy.grad_partial)  # the matmul operand
             dq_tiles[i] = accumulate(dq_tiles[i], ops.mm(ds, ops.tile(k, k0, k1, out_fmt=gp), gp))
             dk_j = accumulate(dk_j, ops.mm(ds.transpose(-2, -1), ops.tile(q, q0, q1, out_fmt=gp), gp))
+        if not scale_ds:  # FA2 / FA3: the softmax scale on the finished fp32 accumulator
+            dk_j = cast(dk_j * scale, acc)
         dk_tiles.append(dk_j)
         if dropout is not None:
             dv_j = cast(dv_j * dropout.scale, acc)
         dv_tiles.append(dv_j)
+    if not scale_ds:
+        dq_tiles = [cast(t * scale, acc) for t in dq_tiles]
     return _cat(dq_tiles), _cat(dk_tiles), _cat(dv_tiles)

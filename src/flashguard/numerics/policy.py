@@ -22,6 +22,10 @@ Presets (``get_policy(name)``):
              unrounded into l while P̄ rounds to 1 for P̄·V, and O = acc * (1 / l). Pinned against
              the kernel by tests/attention/test_torch_cpu.py (docs/audit/torch-cpu.md: what
              matches bit for bit, and the one step that does not).
+* ``fa2-cuda``, ``torch-flash-cuda``, ``fa3-cuda``, ``mem-efficient``, ``cudnn``: the production GPU kernels
+             (flash-attention's FA2 and FA3, PyTorch's FA2 build, PyTorch's memory-efficient kernel,
+             cuDNN as far as documented), modelled from their source, step by step
+             (docs/kernels.md); unvalidated on a GPU. ``GPU_PRESETS`` lists them.
 * ``paper-fp32fwd``  the reference arithmetic with its forward raised to fp32 except the Pbar
              operand: scores, the PV product, the running O and the statistics m, l, lse
              (inputs, Pbar, the output and the whole backward stay bf16). The cheapest change the lab measured to bring the
@@ -45,12 +49,18 @@ from dataclasses import dataclass
 
 from .fast_exp import EXP_IMPLEMENTATIONS
 from .formats import FloatFormat, get_format
+from .gpu_exp import EXP2_IMPLEMENTATIONS
 
-__all__ = ["PrecisionPolicy", "POLICIES", "get_policy", "DELTA_SOURCES", "largest_pbar_scale"]
+__all__ = ["PrecisionPolicy", "POLICIES", "get_policy", "DELTA_SOURCES", "EXPS", "DS_SCALES", "GPU_PRESETS",
+           "largest_pbar_scale"]
 
 DELTA_SOURCES = ("o_lowp", "o_highp", "dp_p")
 _MASKED_SCORES = ("inf", "finite")
 _NORMALIZE = ("divide", "reciprocal")
+# the forward's exponential: exact, torch's CPU fast exp, or a GPU kernel's exp2 form (numerics.gpu_exp)
+EXPS = EXP_IMPLEMENTATIONS + EXP2_IMPLEMENTATIONS
+# where the backward applies the softmax scale: into dS before its rounding, or to the fp32 dQ / dK at the end
+DS_SCALES = ("operand", "accumulator")
 
 _FORMAT_FIELDS = (
     "inputs", "scores", "stats", "pbar", "pv", "o_accum", "output", "lse",
@@ -79,6 +89,18 @@ class PrecisionPolicy:
       dS = (P*scale) * (dP - delta)                           ``ds`` (computed in ``p``'s
                                                                format when that is wider)
       dQ += dS k, dK += dS^T q  (dS enters as ``ds``)         ``grad_partial``, ``grad_accum``
+      (``ds_scale="accumulator"``: dS = P * (dP - delta), and the finished dQ, dK times scale)
+
+    ``exp`` names how the forward computes Pbar: "exact" (exp(S - m) in the scores format),
+    "fexp_u20" (torch's CPU kernel, numerics.fast_exp), or a GPU kernel's exp2 form
+    (numerics.gpu_exp; each also fixes that kernel's rescale factor, its lse formula and, for the
+    FA2 / FA3 forms, the backward's recomputation of P): "exp2_fma" (FA2 / FA3 as flash-attention
+    builds them: exp2(fma(r, c, -fp32(m c))) on the raw scores r with c = fp32(scale log2 e)),
+    "exp2_unfused" (FA2 as PyTorch builds it, UNFUSE_FMA: exp2(fp32(r c) - fp32(m c))) and
+    "exp2_log2e" (torch's memory-efficient kernel: exp2(fp32(S log2 e) - max)). Every form other
+    than "exact" is an fp32 routine (``scores="fp32"``) and the GPU forms mask with -inf
+    (``masked_scores="inf"``). The GPU's approximate exp2 / log / reciprocal are modelled as
+    correctly rounded (docs/kernels.md).
 
     ``pbar_scale`` = s: Pbar is rounded to ``pbar`` as Pbar * 2^s and the matmul's result taken
     back by 2^-s (exact: a power of two): P scaled into the format's range. Every
@@ -104,7 +126,8 @@ class PrecisionPolicy:
     visit_masked_tiles: bool = False   # also process key tiles the causal mask hides completely
     masked_scores: str = "inf"         # forward value of masked scores: -inf or -max finite
     rounding: str = "nearest"          # emulated formats: "nearest" or "stochastic" (native: nearest)
-    exp: str = "exact"                 # the forward's exp(S - m): "exact", or "fexp_u20" (torch's CPU kernel)
+    exp: str = "exact"                 # the forward's exp(S - m): "exact", "fexp_u20" (torch's CPU kernel), or a
+    #                                    GPU kernel's exp2 form ("exp2_fma", "exp2_unfused", "exp2_log2e")
     normalize: str = "divide"          # final O = acc / l ("divide") or acc * (1 / l) ("reciprocal")
     # backward
     p: FloatFormat | str = "fp32"
@@ -115,6 +138,7 @@ class PrecisionPolicy:
     delta_source: str = "o_lowp"
     grad_partial: FloatFormat | str = "fp32"
     grad_accum: FloatFormat | str = "fp32"
+    ds_scale: str = "operand"          # softmax scale into dS before its rounding, or on the finished dQ / dK
 
     def __post_init__(self):
         for f in _FORMAT_FIELDS:
@@ -128,11 +152,16 @@ class PrecisionPolicy:
                 f"PrecisionPolicy.delta_source must be one of {DELTA_SOURCES}, got {self.delta_source!r}")
         if self.rounding not in ("nearest", "stochastic"):
             raise ValueError(f"PrecisionPolicy.rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
-        if self.exp not in EXP_IMPLEMENTATIONS:
-            raise ValueError(f"PrecisionPolicy.exp must be one of {EXP_IMPLEMENTATIONS}, got {self.exp!r}")
-        if self.exp == "fexp_u20" and self.scores.name != "fp32":
-            raise ValueError(f"PrecisionPolicy.exp='fexp_u20' is an fp32 routine: it needs scores='fp32', "
+        if self.exp not in EXPS:
+            raise ValueError(f"PrecisionPolicy.exp must be one of {EXPS}, got {self.exp!r}")
+        if self.exp != "exact" and self.scores.name != "fp32":
+            raise ValueError(f"PrecisionPolicy.exp={self.exp!r} is an fp32 routine: it needs scores='fp32', "
                              f"got scores={self.scores.name!r}")
+        if self.exp in EXP2_IMPLEMENTATIONS and self.masked_scores != "inf":
+            raise ValueError(f"PrecisionPolicy.exp={self.exp!r} models a GPU kernel, which masks scores with -inf: "
+                             f"it needs masked_scores='inf', got {self.masked_scores!r}")
+        if self.ds_scale not in DS_SCALES:
+            raise ValueError(f"PrecisionPolicy.ds_scale must be one of {DS_SCALES}, got {self.ds_scale!r}")
         if self.normalize not in _NORMALIZE:
             raise ValueError(f"PrecisionPolicy.normalize must be one of {_NORMALIZE}, got {self.normalize!r}")
         if self.masked_scores not in _MASKED_SCORES:
@@ -220,6 +249,27 @@ for _fp8 in ("e4m3", "e5m2"):
 # Its key tile is 512 wide (the default block); its query split (32 / 64 / 256 rows) does not change
 # a row's arithmetic.
 POLICIES["torch-cpu"] = POLICIES["fa2"].replace(name="torch-cpu", exp="fexp_u20", normalize="reciprocal")
+# The production GPU kernels, modelled from their source (docs/kernels.md maps every step to the file and
+# line it models; none is validated on a GPU yet). All keep fa2's formats: fp32 scores, statistics and
+# accumulators, the row sum from the unrounded P̄, P̄ rounded to bf16 for P̄·V, O = acc * (1 / l) rounded
+# once, delta from the bf16 O in fp32. They differ in the exponent's form (numerics.gpu_exp) and in
+# where the backward applies the softmax scale.
+GPU_PRESETS = ("fa2-cuda", "torch-flash-cuda", "fa3-cuda", "mem-efficient", "cudnn")
+# FlashAttention-2 as flash-attention builds it (flash_attn.flash_attn_func): exp2 through one FMA on the
+# raw scores; dS = P (dP - delta), the scale on the finished fp32 dQ / dK
+POLICIES["fa2-cuda"] = POLICIES["fa2"].replace(name="fa2-cuda", exp="exp2_fma", normalize="reciprocal",
+                                               ds_scale="accumulator")
+# the same kernel as PyTorch builds it for SDPA's FLASH_ATTENTION backend: UNFUSE_FMA (a rounded product,
+# then the subtraction)
+POLICIES["torch-flash-cuda"] = POLICIES["fa2-cuda"].replace(name="torch-flash-cuda", exp="exp2_unfused")
+# FlashAttention-3 (Hopper, bf16): fa2-cuda's steps (its own tile sizes and lse factor are not fields)
+POLICIES["fa3-cuda"] = POLICIES["fa2-cuda"].replace(name="fa3-cuda")
+# torch's memory-efficient kernel (SDPA's EFFICIENT_ATTENTION): scores scaled first, exp2 of the
+# log2(e)-scaled scores minus their max; dS scaled before its bf16 rounding (the operand form)
+POLICIES["mem-efficient"] = POLICIES["fa2"].replace(name="mem-efficient", exp="exp2_log2e", normalize="reciprocal")
+# cuDNN's SDPA (CUDNN_ATTENTION): documented only as the FlashAttention-2 algorithm with an fp32 compute
+# type, bf16 inputs and output, and fp32 softmax stats; no step beyond fa2's is documented
+POLICIES["cudnn"] = POLICIES["fa2"].replace(name="cudnn")
 # lse is a statistic too: in bf16 a fully masked row's lse (log of the 1e-10 floor + m = -fp32 max)
 # overflows to -inf and the backward's exp(S - lse) becomes NaN (found by tests/attention/test_fuzz.py)
 POLICIES["paper-fp32fwd"] = POLICIES["paper"].replace(name="paper-fp32fwd", scores="fp32", pv="fp32", o_accum="fp32",
