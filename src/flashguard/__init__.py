@@ -9,6 +9,7 @@
     t = flashguard.trace(q, k, v, do, flashguard.Arithmetic.of("paper", "safe"))   # errors against fp64
     with flashguard.watch(model, every=50, log_dir="runs/x") as w:   # the probes on any SDPA model
         ...; w.step()                              # once per optimizer step
+    result = flashguard.check(model, batches, out="check")   # at risk? what to switch on (check.md)
 
 The names below are loaded on first use, so ``import flashguard`` does not import torch
 (and never matplotlib or triton); the subpackages (flashguard.attention, .numerics, .train,
@@ -32,6 +33,7 @@ _EXPORTS = {
     "trace": "flashguard.attention.trace",
     "Arithmetic": "flashguard.attention.trace",
     "watch": "flashguard.diagnostics.watch",
+    "check": "flashguard.check.api",
 }
 
 __all__ = list(_EXPORTS)
@@ -41,6 +43,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names are loade
     from .attention.options import FlashOptions
     from .attention.stabilizers import STABILIZERS, get_stabilizer
     from .attention.trace import Arithmetic, trace
+    from .check.api import check
     from .diagnostics.watch import watch
     from .numerics.policy import POLICIES, get_policy
 del TYPE_CHECKING

@@ -212,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     au.add_argument("--triton-interpreter", action="store_true",
                     help="on CPU, also audit flashguard's Triton kernels (fa2, fa2-fp16) in Triton's CPU interpreter "
                          "(their rounding steps, not a GPU's matmul order; the full audit took 170 s with them on one core)")
+    from .check.command import add_check_arguments, run_check
+    add_check_arguments(sub.add_parser("check", help="is your model's bf16 attention at risk, and what to switch on? "
+                                                     "(a Hugging Face or flashguard checkpoint)"))
     from .experiments.report import add_report_arguments, run_report
     add_report_arguments(sub.add_parser("report", help="report.md and report.html with figures, from a repro, "
                                                        "training runs and/or a lab folder"))
@@ -249,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_repro_command(args)
         if args.command == "report":
             return run_report(args)
+        if args.command == "check":
+            return run_check(args)
         if args.command == "audit":
             from .experiments.audit import run_audit, write_audit
             if args.device not in ("cpu", "cuda"):
