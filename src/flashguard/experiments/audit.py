@@ -9,7 +9,9 @@ output formats, on the same rows). Built in, where the device has them:
 
 * torch ``scaled_dot_product_attention`` per ``SDPBackend``: on CPU the fused flash kernel and the
   math kernel; on CUDA flash, memory-efficient and cuDNN;
-* flashguard's PyTorch path per preset (white boxes: every intermediate visible), and its
+* flashguard's PyTorch path per preset (white boxes: every intermediate visible; the GPU kernels'
+  models ``fa2-cuda``, ``torch-flash-cuda``, ``fa3-cuda``, ``mem-efficient``, ``cudnn`` on their
+  kernels' tiles, docs/kernels.md), and its
   Triton kernels on CUDA, or on CPU in Triton's interpreter (``triton_interpreter=True``,
   ``flashguard audit --triton-interpreter``: the kernels' own rounding steps, run one program
   at a time in NumPy; not a GPU's matmul order or speed);
@@ -97,6 +99,7 @@ def builtin_kernels(device: str = "cpu", *, triton_interpreter: bool = False) ->
         if triton_available():
             out += _triton_arithmetics()
     out += [Arithmetic.of(p) for p in FLASHGUARD_PRESETS]
+    out += gpu_preset_arithmetics()  # the GPU kernels' models, each on its kernel's tiles (CPU emulation)
     return out
 
 
