@@ -98,25 +98,31 @@ def check(model: torch.nn.Module, batches, *, steps: int = 2, dtype="bf16", out=
     say(f"{steps} forward and backward step(s) in {_name(dt)} ({precision_mode(model, dt)})")
     cap, losses = run_steps(model, batches, steps=steps, dtype=dt, loss_fn=loss_fn, sequences=sequences)
     info = _info(model, name, dt, cap, losses, steps)
+    phases = info["phase_s"] = {"steps": time.perf_counter() - t0}
     layers = layer_problems(cap)
     if not layers:
         result = CheckResult("unmeasured", {"text": EAGER, "fix": None}, [], {**info, "kernel": "eager",
                                                                                 "reason": EAGER})
         return _finish(result, out, t0)
-    candidates = fixes_for(dt) if fixes else []
+    # the dtype the kernel received (autocast's) decides the floor and the candidates, not the one asked for
+    received = next((L.problem.q.dtype for L in layers if L.problem is not None), dt)
+    info["kernel_dtype"] = _name(received)
+    candidates = fixes_for(received) if fixes else []
     bench, results = Bench(), []
     with torch.random.fork_rng(devices=[]):      # the Bench seeds the global RNG per problem
         for layer in layers:
             say(f"L{layer.index}: {layer.backend}")
-            results.append(measure_layer(bench, layer, cap.kernel_fn, dt, candidates))
+            results.append(measure_layer(bench, layer, cap.kernel_fn, candidates))
     info["kernel"] = kernel_label(cap.kernel_fn, _common(r.backend for r in results), info["device"])
+    phases["measure"] = time.perf_counter() - t0 - phases["steps"]
     costs = _costs(results, cap.kernel_fn, candidates, repeats, say)
+    phases["timing"] = time.perf_counter() - t0 - phases["steps"] - phases["measure"]
     result = _judge(results, candidates, costs, info)
     return _finish(result, out, t0)
 
 
 def _name(dt) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dt]
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dt, str(dt).replace("torch.", ""))
 
 
 def _common(names) -> str:

@@ -32,11 +32,13 @@ class CheckCapture(SdpaCapture):
         self.model = model
         self.step = 0
         self.backends: dict = {}
+        self.dtypes: dict = {}        # label -> the dtype the kernel received
         self.kernel_fn = None
         self.other_calls = 0          # 4-d calls made outside the model's forward (not kept)
         self._depth = 0               # > 0 while inside model.forward
         self._calls_in_forward = 0
         self._choice = "error"
+        self._dtype = None
         self._hooks: list = []
 
     def install(self) -> "CheckCapture":
@@ -62,11 +64,14 @@ class CheckCapture(SdpaCapture):
         self._depth -= 1
 
     def _wrap(self, original):
-        # torch's choice is asked before the call, with its arguments and under the caller's
-        # sdpa_kernel flags, then the call runs unchanged (SdpaCapture's wrapper records it)
+        # torch's choice is asked before the call, with its arguments as the kernel receives them
+        # (autocast casts them first) and under the caller's sdpa_kernel flags; then the call runs
+        # unchanged (SdpaCapture's wrapper records it)
         def dispatching(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                         enable_gqa=False, **kw):
-            self._choice = torch_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+            q, k, v, m = _as_received(query, key, value, attn_mask)
+            self._choice = torch_choice(q, k, v, m, dropout_p, is_causal, scale, enable_gqa)
+            self._dtype = q.dtype
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa, **kw)
         return super()._wrap(dispatching)
@@ -78,7 +83,19 @@ class CheckCapture(SdpaCapture):
         label = (self.step, self._calls_in_forward)
         self._calls_in_forward += 1
         self.backends[label] = self._choice
+        self.dtypes[label] = self._dtype
         return label
+
+
+def _as_received(*tensors):
+    """The SDPA arguments as the kernel receives them: under autocast (CPU and CUDA list SDPA among
+    their lower-precision ops) every floating one is cast to the autocast dtype first. A Llama's
+    RoPE, for one, hands SDPA fp32 q and k next to a bf16 v."""
+    dev = tensors[0].device.type
+    if not torch.is_autocast_enabled(dev):
+        return tensors
+    low = torch.get_autocast_dtype(dev)
+    return tuple(t.to(low) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors)
 
 
 @dataclass
@@ -130,8 +147,12 @@ def layer_problems(cap: CheckCapture, prefix: str = "L") -> list[Layer]:
         layer = Layer(index=i, problem=None, backends=[cap.backends[r["label"]] for r in recs], steps=len(recs),
                       dropped=dropped, dropout_p=max(float(r["dropout_p"]) for r in recs))
         if all(r["do"] is not None for r in recs):
-            q, k, v, do = (torch.cat([r[n] for r in recs]) for n in ("q", "k", "v", "do"))   # (B, H, T, D)
+            # the inputs as the kernel received them (autocast's casts), batch entries of every step
+            dt = cap.dtypes[recs[0]["label"]]
+            q, k, v = (torch.cat([r[n].to(dt) for r in recs]) for n in ("q", "k", "v"))   # (B, H, T, D)
+            do = torch.cat([r["do"] for r in recs])                                        # (B, H, T, D_v)
             masks = [_mask_for(r, r["q"].shape[0]) for r in recs]
+            masks = [m.to(dt) if m is not None and m.is_floating_point() else m for m in masks]
             mask = None if masks[0] is None else (masks[0] if masks[0].dim() < 4 else torch.cat(masks))
             layer.problem = CapturedProblem(f"{prefix}{i}", q, k, v, do, causal=recs[0]["causal"],
                                             scale=recs[0]["scale"], attn_mask=mask)

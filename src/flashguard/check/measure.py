@@ -86,8 +86,9 @@ def census(problem, dtype: torch.dtype) -> dict | None:
             "v_sign_agree": share(c.agree.sum(), tied)}
 
 
-def measure_layer(bench: Bench, layer, kernel_fn, dtype: torch.dtype, fixes: list[Fix]) -> LayerResult:
-    """The kernel's measurement, each fix's and the census on one layer, and its verdict."""
+def measure_layer(bench: Bench, layer, kernel_fn, fixes: list[Fix]) -> LayerResult:
+    """The kernel's measurement, each fix's and the census on one layer, and its verdict, in the
+    dtype the kernel received (``fixes``: the candidates of that dtype, ``fixes.fixes_for``)."""
     p = layer.problem
     res = LayerResult(index=layer.index, backend=layer.backend, shape=None if p is None else list(p.q.shape),
                       kernel=None)
@@ -96,6 +97,7 @@ def measure_layer(bench: Bench, layer, kernel_fn, dtype: torch.dtype, fixes: lis
     if p is None:
         res.risk, res.reason = layer_verdict(None, None)
         return res
+    dtype = p.q.dtype           # the dtype the kernel received (autocast's), which the floor and fixes take
     floor = default_precision(dtype)
     box = BlackBox("kernel", kernel_runner(kernel_fn, layer.backends[0], p), dtype=dtype, floor_policy=floor)
     res.kernel = bench.measure(p, box)
