@@ -23,10 +23,11 @@ At the ``o`` point (``OutputHook``, issue 23: the lean of O itself removed at th
 forward pass's O (B, H, T_q, D), in the policy's output storage, is replaced by
 ``O_ref + alpha * rule(e)``, e = O_lp - O_ref, per element (``shuffled``: across all elements of
 the call), and rounded back to the output format *stochastically* with the injection's own
-generator: a rounding to nearest would pull a flipped error back toward the grid point it came
-from (an O of bf16 values cannot carry a zero-mean error of the same magnitudes otherwise), while
-stochastic rounding adds an unbiased error, so the injected O is unbiased given e's sign and
-slightly larger than |e| (the observer sees both). ``real`` at alpha = 1 returns O_lp exactly
+generator: rounded to nearest, a flipped error under a quarter of an ulp snaps back to the grid
+point it came from (its sign, and a lean made of small errors, survive) and a larger one
+overshoots to the far grid point, while stochastic rounding adds an unbiased error, so
+the injected O is unbiased given e's sign and somewhat larger than |e| (the observer sees both;
+the edge experiment reports the ratio). ``real`` at alpha = 1 returns O_lp exactly
 (stochastic rounding of a representable value is that value). The backward's delta then reads
 the injected O, as the next layer does.
 

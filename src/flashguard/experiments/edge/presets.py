@@ -111,10 +111,10 @@ EDGE_PRESETS: dict[str, EdgePreset] = {p.name: p for p in (
                      "(where paper diverged at both seeds of micro-lr-edge and fp32, paper-fp32fwd and the "
                      "backward in fp32 trained), the LR experiment's schedule (1,000 steps, warm-up 5 %, cosine to "
                      "lr/10), 13 arms, seeds 1-10"),
-    EdgePreset("micro-edge-smoke", "micro", lrs=(0.139,), arms=(FP32, PAPER, DELTA_ZERO_MEAN, O_ZERO_MEAN, SDPA),
+    EdgePreset("micro-edge-smoke", "micro", lrs=(0.01,), arms=(FP32, PAPER, DELTA_ZERO_MEAN, O_ZERO_MEAN, SDPA),
                claims=tuple(c for c in CLAIMS if c.id in ("E0", "E1", "E3", "E10")), steps=12, seeds=(1, 2),
                eval_batches=2, checkpoint_every=6,
-               about="smoke test: 5 arms, 12 steps, seeds 1-2 (seconds; verdicts meaningless)"),
+               about="smoke test: 5 arms, 12 steps at peak lr 0.01, seeds 1-2 (seconds; verdicts meaningless)"),
 )}
 
 
