@@ -11,7 +11,7 @@ import torch
 import flashguard
 
 PUBLIC = ["flash_attention", "scaled_dot_product_attention", "override_sdpa", "FlashOptions", "get_policy",
-          "POLICIES", "get_stabilizer", "STABILIZERS", "trace", "Arithmetic", "watch"]
+          "POLICIES", "get_stabilizer", "STABILIZERS", "trace", "Arithmetic", "watch", "check"]
 
 
 def _python(code: str) -> str:
@@ -33,6 +33,9 @@ def test_public_names_are_the_subpackages_own():
     assert flashguard.trace is trace_module.trace and flashguard.Arithmetic is trace_module.Arithmetic
     from flashguard.diagnostics import watch as watch_module
     assert flashguard.watch is watch_module.watch
+    from flashguard.check import api as check_api
+    assert flashguard.check is check_api.check or flashguard.check.check is check_api.check   # the function, or
+    assert callable(flashguard.check)                                 # its package, callable as the function
     assert set(PUBLIC) <= set(dir(flashguard))
     assert not [n for n in dir(flashguard) if not n.startswith("__") and n not in PUBLIC]  # nothing private shows
     with pytest.raises(AttributeError, match="no attribute 'flash_attn'"):

@@ -124,6 +124,9 @@ def check_figure(d: dict):
     for y in (Z_CRIT, -Z_CRIT):
         ax.axhline(y, color="grey", lw=0.6, ls="--")
     ax.set_yscale("symlog", linthresh=5)
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(min(lo, -10), max(hi, 10))     # the +-3.29 lines always in view, never the whole axis
+    ax.set_xticks(xs, [f"L{i}" for i in xs], fontsize=7)
     ax.set_xlabel("layer (SDPA call in a forward)")
     ax.set_ylabel("z of the lean beyond the fp32 floor")
     ax.set_title(f"{d['model']}: verdict {d['verdict']}", fontsize=9)
