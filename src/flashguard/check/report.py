@@ -51,7 +51,7 @@ def _cell(m: dict | None, q: str) -> str:
         return "refused"
     v = m[f"{q}_vs_floor"]
     mark = "**" if m[f"{q}_leans"] else ""
-    return f"{mark}{v['mean'] * 1e6:+.2f}{mark} (z {v['z']:+.1f}, r {v['bias_ratio']:+.2f})"
+    return f"{mark}{v['mean']:+.1e}{mark} (z {v['z']:+.1f}, r {v['bias_ratio']:+.2f})"
 
 
 def _layer_table(d: dict) -> list[str]:
@@ -89,7 +89,7 @@ def markdown(d: dict) -> str:
     if d.get("kernel") == "eager":
         return "\n".join(md)
     md += ["## Per layer", "", "Cells: the lean beyond the fp32 noise floor (mean unit error of the kernel or fix "
-           "minus the floor's, in 1e-6) with z and bias ratio r; **bold**: a lean by the one rule "
+           "minus the floor's; delta's scale is the loss gradient's) with z and bias ratio r; **bold**: a lean by the one rule "
            "(`leans_beyond_floor`: own error against fp64 biased, |z| >= 3.29 and |r| >= 0.02, and the paired "
            "difference from the floor biased the same way).", ""] + _layer_table(d)
     md += ["", "## Fixes", ""] + _fix_lines(d)

@@ -32,7 +32,7 @@ QUANTITY_NAMES = {"o": "O", "delta": "delta = rowsum(dO*O)"}
 
 def _lean_text(m, q: str) -> str:
     v = getattr(m, f"{q}_vs_floor")
-    return (f"{QUANTITY_NAMES[q]} leans {v.mean * 1e6:+.2f}e-6 beyond the fp32 floor "
+    return (f"{QUANTITY_NAMES[q]} leans {v.mean:+.1e} beyond the fp32 floor "
             f"(z {v.z:+.1f}, bias ratio {v.bias_ratio:+.2f})")
 
 
