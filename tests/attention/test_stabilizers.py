@@ -141,3 +141,17 @@ def test_count_true_matches_a_plain_sum(n):
         mask = torch.rand(3, 5, n, generator=g) < density
         assert torch.equal(count_true(mask), mask.sum(-1, keepdim=True).to(torch.int32))
     assert torch.equal(count_true(mask[..., ::2]), mask[..., ::2].sum(-1, keepdim=True).to(torch.int32))
+
+
+def test_safe_is_retired_with_a_warning_in_production_arithmetic():
+    """'safe' warns where it was measured to add a lean (a row sum from the unrounded Pbar), and
+    stays quiet where the lab reproduces its measurement in the reference arithmetic."""
+    import warnings
+
+    from flashguard.attention.options import FlashOptions, RetiredStabilizerWarning
+    with pytest.warns(RetiredStabilizerWarning, match="retired"):
+        FlashOptions(precision="fa2", stabilizer="safe", block_q=48)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RetiredStabilizerWarning)
+        FlashOptions(precision="paper", stabilizer="safe", block_q=48)
+        FlashOptions(precision="fa2", stabilizer="none", block_q=48)

@@ -23,19 +23,19 @@ def _verdicts(**runs):
 
 
 def test_verdicts_when_the_paper_run_diverges_and_the_ablations_behave_as_the_study_says():
-    v = _verdicts(fp32=_s(), paper=_s(50), paper_fix=_s(), safe=_s(), no_tiling=_s(60),
+    v = _verdicts(fp32=_s(), paper=_s(50), paper_fix=_s(), paper_fp32fwd=_s(), no_tiling=_s(60),
                   **{"flash_layer1": _s(70), "fp32_layer1": _s()}, delta_o_highp=_s(), delta_dp_p=_s(), pv_fp32=_s())
     assert v == {"C1": "held", "C2": "held", "C3": "held", "C4": "held", "C8": "held"}
 
 
 def test_verdicts_when_the_ablations_contradict_the_study():
-    v = _verdicts(fp32=_s(), paper=_s(50), paper_fix=_s(80), safe=_s(), no_tiling=_s(),
+    v = _verdicts(fp32=_s(), paper=_s(50), paper_fix=_s(80), paper_fp32fwd=_s(), no_tiling=_s(),
                   **{"flash_layer1": _s(), "fp32_layer1": _s()}, delta_o_highp=_s(), delta_dp_p=_s(90), pv_fp32=_s())
     assert v == {"C1": "held", "C2": "not held", "C3": "not held", "C4": "not held", "C8": "not held"}
 
 
 def test_nothing_to_localise_without_a_failure_and_fp32_failing_is_not_a_precision_effect():
-    calm = _verdicts(fp32=_s(), paper=_s(), paper_fix=_s(), safe=_s(), no_tiling=_s(),
+    calm = _verdicts(fp32=_s(), paper=_s(), paper_fix=_s(), paper_fp32fwd=_s(), no_tiling=_s(),
                      **{"flash_layer1": _s(), "fp32_layer1": _s()}, delta_o_highp=_s(), delta_dp_p=_s(), pv_fp32=_s())
     assert calm["C1"] == "not held" and {calm[c] for c in ("C2", "C3", "C4", "C8")} == {"inconclusive"}
     assert _verdicts(fp32=_s(40), paper=_s(50))["C1"] == "inconclusive"
@@ -99,9 +99,12 @@ def test_c5_c6_need_enough_probes_of_the_focus_layer(tmp_path):
 
 def test_run_specs_differ_from_the_paper_run_in_one_option():
     specs = {s.name: s for s in run_specs("paper[pv=e8m4]", 1, 256, remedies=True)}
-    assert set(specs) >= {"fp32", "paper", "paper-fix", "safe", "no-tiling", "fp32-layer1", "flash-layer1",
+    assert set(specs) >= {"fp32", "paper", "paper-fix", "paper-fp32fwd", "no-tiling", "fp32-layer1", "flash-layer1",
                           "delta-o-highp", "delta-dp-p", "pv-fp32", "qk-layernorm", "z-loss", "softcap"}
     assert specs["paper"].overrides == ("attention.precision=paper[pv=e8m4]",)
+    assert specs["paper-fp32fwd"].overrides == ("attention.precision=paper[scores=fp32,stats=fp32,pv=fp32,o_accum=fp32,lse=fp32]",)
+    assert {s.name: s for s in run_specs("paper", 1, 256)}["paper-fp32fwd"].overrides == (
+        "attention.precision=paper-fp32fwd",)
     assert "attention.precision=paper[pv=e8m4,delta_source=dp_p]" in specs["delta-dp-p"].overrides
     assert "attention.precision=paper[pv=fp32]" in specs["pv-fp32"].overrides
     assert specs["flash-layer1"].overrides == ("attention.precision=fp32", "attention.layers.1.precision=paper[pv=e8m4]")
@@ -121,7 +124,7 @@ def test_repro_smoke_on_micro_every_claim_matched_batches_and_resume(tiny_data, 
     assert all(c["verdict"] in ("held", "not held", "inconclusive") and c["evidence"] for c in saved["claims"])
     assert len(saved["runs"]) == 13 and all(r["summary"]["status"] in ("done", "diverged") for r in saved["runs"])
     assert {m["name"] for m in saved["remedies"]} == {"paper", "qk-layernorm", "z-loss", "softcap", "fp32",
-                                                      "paper-fix", "safe"}
+                                                      "paper-fix", "paper-fp32fwd"}
     # matched runs: the same batches, step for step (the interrupted run included)
     batches = {r["name"]: JsonlLog.read(out / r["dir"] / "batches.jsonl") for r in saved["runs"]}
     assert all(b == batches["paper"] for b in batches.values()) and len(batches["paper"]) == 40
@@ -171,7 +174,7 @@ def test_demo_writes_the_report_and_resumes(tiny_data, tmp_path, capsys):
     assert f"report: {(out / 'report' / 'report.html').resolve()}" in printed
     saved = json.loads((out / "repro.json").read_text())
     assert [c["id"] for c in saved["claims"]] == ["C1", "C5", "C6", "C8"] and saved["lab"] == "lab"
-    assert {r["name"] for r in saved["runs"]} == {"fp32", "paper", "paper-fix", "safe"}
+    assert {r["name"] for r in saved["runs"]} == {"fp32", "paper", "paper-fix", "paper-fp32fwd"}
     assert html.count("data:image/png;base64,") >= 4 and "C8" in html
     assert (out / "lab" / "lab.json").exists()
     # the causal comparison ran its three arms (at --steps too) and the report shows it

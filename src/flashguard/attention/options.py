@@ -5,7 +5,8 @@
 ``flashguard.watch``, a model layer's ``AttentionSpec`` and ``trace``'s ``Arithmetic``:
 
     precision   a PrecisionPolicy or a preset name (``fa2``, ``paper``, ``paper[pv=fp32]``, ...)
-    stabilizer  a Stabilizer or its name (``none``, ``paper``, ``paper:beta=7``, ``safe``)
+    stabilizer  a Stabilizer or its name (``none``, ``paper``, ``paper:beta=7``; ``safe``: retired,
+                measured not a fix, kept to reproduce that measurement)
     block_q     query / key tile edges; None = the kernel's default (DEFAULT_BLOCK on the
     block_k     PyTorch kernel, the Triton kernels' own)
     kernel      ``auto`` | ``pytorch`` | ``triton`` (KERNELS; function.choose_kernel resolves auto)
@@ -30,6 +31,7 @@ import contextlib
 import dataclasses
 import functools
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,7 +43,7 @@ from .dropout import TileDropout
 from .flash import flash_backward, flash_forward
 from .stabilizers import Stabilizer, get_stabilizer
 
-__all__ = ["FlashOptions", "OptionError", "flash_options", "KERNELS", "DEFAULT_PRECISION", "DEFAULT_STABILIZER",
+__all__ = ["FlashOptions", "OptionError", "RetiredStabilizerWarning", "flash_options", "KERNELS", "DEFAULT_PRECISION", "DEFAULT_STABILIZER",
            "DEFAULT_BLOCK", "DEFAULT_KERNEL", "split_mask", "highp_dtype", "arithmetic_context", "cast_inputs",
            "run_forward", "run_backward", "Forward"]
 
@@ -75,6 +77,18 @@ def _block_problem(value) -> str | None:
     return None
 
 
+class RetiredStabilizerWarning(UserWarning):
+    """A retired stabilizer in use where it was measured to do harm."""
+
+
+# docs/lab/lab.md, measured on independent rows: in production arithmetic (the row sum from the
+# unrounded Pbar) moving the dominant Pbar off 1 adds a lean and costs accuracy
+SAFE_IN_PRODUCTION = ("stabilizer 'safe' is retired: measured on independent rows it is not a fix, and with a row "
+                      "sum from the unrounded Pbar (fa2, fa2-fp16, torch-cpu, fp8) it adds a lean (fa2: pooled z -5.6) "
+                      "and makes O up to 9.5x less accurate; use stabilizer 'none' (for the reference arithmetic: "
+                      "precision 'paper-fp32fwd')")
+
+
 @dataclass(frozen=True, repr=False)
 class FlashOptions:
     """How flash attention runs (module docstring). Frozen; ``replace`` makes a changed copy."""
@@ -96,6 +110,8 @@ class FlashOptions:
                     object.__setattr__(self, name, resolve(value))
                 except (ValueError, TypeError) as e:
                     raise OptionError(name, str(e)) from None
+        if self.stabilizer.name == "safe" and not self.precision.row_sum_rounded:
+            warnings.warn(SAFE_IN_PRODUCTION, RetiredStabilizerWarning, stacklevel=3)
         for name in ("block_q", "block_k"):
             problem = _block_problem(getattr(self, name))
             if problem:

@@ -3,7 +3,8 @@
 1. prepares the embedded corpus (Python's standard library) if it is not there yet;
 2. runs the rounding-bias lab in quick mode (where the bias comes from, with verdicts);
 3. trains the `demo` repro preset: fp32 attention, the study's reference arithmetic with no
-   fix, with the study's fix and with `safe`, same seed and batches, probed every 20 steps
+   fix, with the study's fix and with the lab's measured fix (`paper-fp32fwd`), same seed and
+   batches, probed every 20 steps
    (claims C1, C5, C6, C8; an explosion itself takes far longer than a demo, so C1 and C8
    are expected to read "not held" / "inconclusive" here, and the report says why);
 4. trains the causal comparison (`micro-demo` injection preset, seed 1, about two minutes): the

@@ -27,7 +27,8 @@ CLAIMS = {
           "rowsum(dP*P) or an fp32 PV product each prevent the divergence",
     "C5": "The W_Q gradient error is low-rank and accumulates (its direction persists across steps)",
     "C6": "The delta error is biased positive (delta_lp - delta_hp > 0, its running sum grows)",
-    "C8": "The fix works: the study's fix (and flashguard's safe) train on where the paper run diverges",
+    "C8": "The fix works: the study's fix trains on where the paper run diverges (the lab's measured fix, "
+          "paper-fp32fwd, judged beside it)",
 }
 MIN_PROBES = 8
 P_MAX = 0.01   # sign-test p-value below which a lean across probes counts (C5, C6)
@@ -164,10 +165,12 @@ def _c6(S, L, dirs):
 
 def _c8(S, L):
     def judge():
-        fix, safe = _div(S, "paper-fix"), _div(S, "safe")
-        ev = f"{_fate(S, 'paper')}; {_fate(S, 'paper-fix')}; {_fate(S, 'safe')}"
-        return (HELD if fix is None else NOT_HELD), ev, {"paper_fix_diverged_at": fix, "safe_diverged_at": safe}
-    return _needs_failure(S, ["paper-fix", "safe"], judge)
+        fix, measured = _div(S, "paper-fix"), _div(S, "paper-fp32fwd")
+        ev = (f"{_fate(S, 'paper')}; {_fate(S, 'paper-fix')}; {_fate(S, 'paper-fp32fwd')} (the measured fix: "
+              f"{'trains on' if measured is None else 'diverges too'})")
+        return (HELD if fix is None else NOT_HELD), ev, {"paper_fix_diverged_at": fix,
+                                                         "paper_fp32fwd_diverged_at": measured}
+    return _needs_failure(S, ["paper-fix", "paper-fp32fwd"], judge)
 
 
 def judge_claims(summaries: dict, dirs: dict, focus: int, which) -> list[dict]:

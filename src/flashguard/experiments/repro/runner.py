@@ -43,7 +43,7 @@ def markdown_footer(result: dict) -> list[str]:
 
 
 def _needed(claims, focus: int) -> set[str]:
-    names = {"fp32", "paper", "paper-fix", "safe"}
+    names = {"fp32", "paper", "paper-fix", "paper-fp32fwd"}
     for c in claims:
         names |= {n.format(L=focus) for n in CLAIM_RUNS[c]}
     return names
@@ -121,7 +121,7 @@ def _write(out: Path, preset, specs, claims, steps, focus, common, remedies, see
     return result
 
 
-REMEDY_ROWS = ("paper", "qk-layernorm", "z-loss", "softcap", "fp32", "paper-fix", "safe")
+REMEDY_ROWS = ("paper", "qk-layernorm", "z-loss", "softcap", "fp32", "paper-fix", "paper-fp32fwd")
 
 
 def _remedies(runs) -> list[dict]:
