@@ -97,3 +97,17 @@ def test_bad_arguments_are_named():
         flashguard.check(FirstLogit(), batches(steps=1))
     result = flashguard.check(FirstLogit(), batches(steps=1), fixes=False, loss_fn=lambda out, batch: out.sum())
     assert result.verdict in ("none", "low", "high")
+
+
+def test_fp32_asked_of_bf16_weights_runs_them_as_they_are():
+    result = flashguard.check(TinyLM().bfloat16(), batches(steps=1), dtype="fp32", fixes=False)
+    assert result.info["precision_mode"].startswith("own dtype (bfloat16") and result.info["kernel_dtype"] == "bf16"
+
+
+def test_the_rng_is_left_as_it_was():
+    model, data = TinyLM(), batches(steps=1)      # TinyLM seeds the RNG itself
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    flashguard.check(model, data, repeats=1)
+    assert torch.equal(torch.rand(3), want)

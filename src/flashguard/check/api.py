@@ -109,7 +109,9 @@ def check(model: torch.nn.Module, batches, *, steps: int = 2, dtype="bf16", out=
     info["kernel_dtype"] = _name(received)
     candidates = fixes_for(received) if fixes else []
     bench, results = Bench(), []
-    with torch.random.fork_rng(devices=[]):      # the Bench seeds the global RNG per problem
+    dev = torch.device(info["device"])
+    # the Bench seeds the global RNG per problem: the user's generators are left as they were
+    with torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else []):
         for layer in layers:
             say(f"L{layer.index}: {layer.backend}")
             results.append(measure_layer(bench, layer, cap.kernel_fn, candidates))

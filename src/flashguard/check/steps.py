@@ -32,8 +32,15 @@ def _param_dtype(model: torch.nn.Module):
 
 
 def precision_mode(model: torch.nn.Module, dtype: torch.dtype) -> str:
-    """"own dtype" (parameters already in ``dtype``, or fp32 asked), or "autocast"."""
-    return "own dtype" if dtype == torch.float32 or _param_dtype(model) == dtype else "autocast"
+    """"own dtype" (the parameters are in ``dtype``), "autocast" (bf16 or fp16 asked of other
+    parameters), or for fp32 asked of low-precision parameters "own dtype (...)": autocast
+    cannot raise a precision, so the model runs as it is and the report says which dtype ran."""
+    own = _param_dtype(model)
+    if own == dtype:
+        return "own dtype"
+    if dtype == torch.float32:
+        return f"own dtype ({str(own).replace('torch.', '')}; fp32 asked, the weights are not)"
+    return "autocast"
 
 
 def _to(batch, device):
@@ -95,8 +102,8 @@ def run_steps(model: torch.nn.Module, batches, *, steps: int, dtype: torch.dtype
         raise ValueError("flashguard.check: the model has no parameter that requires a gradient, so no "
                          "backward pass reaches its attention")
     device = params[0].device
-    amp = (contextlib.nullcontext() if precision_mode(model, dtype) == "own dtype"
-           else torch.autocast(device.type, dtype=dtype))
+    amp = (torch.autocast(device.type, dtype=dtype) if precision_mode(model, dtype) == "autocast"
+           else contextlib.nullcontext())
     loss_fn = loss_fn or default_loss
     was_training = model.training
     model.eval()
