@@ -46,7 +46,7 @@ class CheckCapture(SdpaCapture):
             super().install()
             self.kernel_fn = self._original
             self._hooks = [self.model.register_forward_pre_hook(self._enter),
-                           self.model.register_forward_hook(self._exit)]
+                           self.model.register_forward_hook(self._exit, always_call=True)]
         return self
 
     def remove(self) -> None:
