@@ -233,3 +233,14 @@ def test_gpu_presets_against_the_real_kernels():
     for r in measured:
         # not bit-exactness (ex2.approx, the MMA's accumulation order are not emulated): near it
         assert r["o"]["bit_exact"] > 0.9 and r["o"]["max_ulp"] <= 4, r
+
+
+@pytest.mark.parametrize("name,field", [("torch-cpu", "exp=fexp_u20"), ("fa2-cuda", "exp=exp2_fma"),
+                                        ("mem-efficient", "normalize=reciprocal")])
+def test_the_triton_kernels_refuse_a_kernel_model_they_do_not_implement(name, field):
+    """The Triton kernels compute exact exp, acc / l and the scale on dS's operand: a preset that
+    models another kernel's steps is refused there (auto then runs the PyTorch kernel), not run
+    silently with the Triton kernels' own steps."""
+    from flashguard.attention.triton_flash import fa2_structured, triton_unsupported_settings
+    assert field in fa2_structured(name) and "not fa2-structured" in triton_unsupported_settings(precision=name)
+    assert fa2_structured("fa2") is None

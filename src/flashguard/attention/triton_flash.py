@@ -99,6 +99,12 @@ def fa2_structured(policy: PrecisionPolicy) -> str | None:
         wrong.append(f"masked_scores={policy.masked_scores}")
     if policy.delta_source != "o_lowp":
         wrong.append(f"delta_source={policy.delta_source}")
+    # the kernels' own steps: exact exp, O = acc / l, the scale on dS's operand (a model of another
+    # kernel's exp, reciprocal or scale order runs on the PyTorch kernel, never silently dropped)
+    for field, plain in (("exp", "exact"), ("normalize", "divide"), ("ds_scale", "operand")):
+        value = getattr(policy, field, plain)
+        if value != plain:
+            wrong.append(f"{field}={value}")
     if wrong:
         return (f"precision policy {policy.name!r} is not fa2-structured ({', '.join(wrong)}); the triton kernel "
                 f"implements fp32 scores/statistics/accumulators with Pbar, dS and O in the input format")
