@@ -31,7 +31,8 @@ __all__ = ["STEP", "LOSS_TRAIN", "LOSS_VAL", "LR", "GRAD_NORM", "STEP_TIME", "TO
            "EXACT_TIE_RATE", "TIE_AT_SINK", "TIE_AT_SINK_CHANCE", "V_SIGN_AGREE", "O_ERR_Z_ROW", "O_ERR_RATIO_ROW",
            "DELTA_ERR_Z_ROW", "DELTA_ERR_RATIO_ROW", "CENSUS_METRICS", "WQ_ERR_SV", "WQ_ERR_RANK1_FRAC",
            "WQ_ERR_NORM", "WQ_ERR_REL", "WQ_ERR_COS_PREV", "WQ_ERR_COS_SUM", "WQ_ERR_ALIGN_TOP",
-           "WQ_ERR_TOP_PUSH", "WQ_ERR_SV_PATTERN", "wq_err", "wq_err_sv", "parse_sv"]
+           "WQ_ERR_TOP_PUSH", "WQ_ERR_SV_PATTERN", "wq_err", "wq_err_sv", "parse_sv", "UPDATE_ENTROPY",
+           "HOOK_METRICS"]
 
 # ---- the trainer's keys (every logged step) -------------------------------------------------
 STEP = "step"
@@ -119,6 +120,9 @@ SPECTRAL_NORM = {"wq": WQ_NORM, "wk": WK_NORM}
 GROWTH = {"wq": WQ_GROWTH, "wk": WK_GROWTH}
 SPECTRAL_NORM_MAX = {"wq": WQ_NORM_MAX, "wk": WK_NORM_MAX}
 GROWTH_MAX = {"wq": WQ_GROWTH_MAX, "wk": WK_GROWTH_MAX}
+# the normalised spectral entropy of the W_Q W_K^T update, minimum over the layer's heads
+# (flashguard.diagnostics.update_entropy, every train.update_entropy_every steps; not a probe)
+UPDATE_ENTROPY = _m("weights", "update_entropy")
 
 # ---- attention (attention_metrics) -----------------------------------------------------------
 MAX_LOGIT = _m("attn", "max_logit", head=True)
@@ -205,7 +209,9 @@ PROBE_METRICS: tuple[Metric, ...] = (
     *WQ_ERR_SV, WQ_ERR_RANK1_FRAC, WQ_ERR_NORM, WQ_ERR_REL, WQ_ERR_COS_PREV, WQ_ERR_COS_SUM, WQ_ERR_ALIGN_TOP,
     WQ_ERR_TOP_PUSH,
 )
-_BY_NAME = {(m.namespace, m.name): m for m in PROBE_METRICS}
+# metrics of the weights that a hook of their own writes, not the probes (so not every probed run has them)
+HOOK_METRICS: tuple[Metric, ...] = (UPDATE_ENTROPY,)
+_BY_NAME = {(m.namespace, m.name): m for m in (*PROBE_METRICS, *HOOK_METRICS)}
 
 
 def metric(key: str) -> Metric | None:

@@ -334,7 +334,10 @@ def test_the_command_on_fake_run_folders(tmp_path, capsys):
     assert res["split"]["calibration_seeds"] == [1] and res["split"]["held_out_seeds"] == [2, 4, 6]
     ml = res["default"]["max-logit"]
     assert ml["hits"] == 4 and ml["false_alarms"] == 0 and all(x > 0 for x in ml["lead_times"])
-    assert set(res["calibrated"]) == {"monitor-warning", "monitor-watch", "loss-spike", "grad-spike", "max-logit"}
+    assert set(res["calibrated"]) == {"monitor-warning", "monitor-watch", "loss-spike", "grad-spike", "max-logit",
+                                      "kill-loss-spike", "update-entropy"}
+    scored = {d["name"]: d["scored_runs"] for d in res["detectors"]}
+    assert scored["update-entropy"] == 0 and scored["max-logit"] == 12 and scored["kill-loss-spike"] is None
     assert res["calibrated"]["max-logit"]["held_out"]["divergent"] == 3
     assert "monitor-warning" in res["monitor_calibration"]
     assert res["signals"]["divergent"] == 4
@@ -342,6 +345,7 @@ def test_the_command_on_fake_run_folders(tmp_path, capsys):
         assert (out / f).stat().st_size > 0
     md = (out / "early_warning.md").read_text()
     assert "12 finished runs, 4 divergent, 8 stable twins, 0 other" in md and "Which signal leads" in md
+    assert "**update-entropy** (default 0.5)" in md and "logged in none of these runs" in md
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]   # atomic writes leave no temporaries
     printed = capsys.readouterr().out
     assert "12 runs: 4 divergent, 8 stable (2 skipped)" in printed

@@ -39,6 +39,7 @@ from ..utils.jsonl import read_metrics
 from .monitor import Monitor, MonitorThresholds
 from .probes import run_probes
 from .state import ProbeState
+from .update_entropy import UpdateEntropyHook
 
 __all__ = ["TrainerDiagnostics", "DiagnosticsHook", "DEFAULT_EVERY"]
 
@@ -137,15 +138,20 @@ class DiagnosticsHook(TrainHook):
     """The probes and the monitor as a hook of the training loop (main process only): the capture
     hooks go in at ``step_begin`` when the probes are due, probes and monitor write into the step's
     record at ``after_backward`` (before the optimizer step; a probed step's record is always
-    written), and the capture hooks come out at ``end``."""
+    written), and the capture hooks come out at ``end``. It also carries the spectral entropy of the
+    W_Q W_K^T update (``train.update_entropy_every``, flashguard.diagnostics.update_entropy), so
+    that every caller that passes this hook (``flashguard train``, the repro's runs) has it; do not
+    pass an UpdateEntropyHook beside it."""
 
-    config_keys = ("train.diagnostics_every", "train.diagnostics_layers")
+    config_keys = ("train.diagnostics_every", "train.diagnostics_layers", *UpdateEntropyHook.config_keys)
 
     def __init__(self):
         self.diag: TrainerDiagnostics | None = None
         self._grad_scale = 1.0
+        self.update_entropy = UpdateEntropyHook()
 
     def start(self, run: RunInfo) -> None:
+        self.update_entropy.start(run)
         if run.main and run.cfg.train.diagnostics_every:
             self.diag = TrainerDiagnostics(run.cfg, run.model, run.run_dir, start=run.start, log_fn=run.log)
             self._grad_scale = run.cfg.train.grad_accum
@@ -155,11 +161,13 @@ class DiagnosticsHook(TrainHook):
             self.diag.begin(step)
 
     def after_backward(self, step: StepInfo) -> None:
+        self.update_entropy.after_backward(step)   # before the monitor reads the record
         if self.diag is not None:
             self.diag.end(step.step, step.record, grad_scale=self._grad_scale)
             if keys.DIAGNOSTICS_TIME in step.record:
                 step.keep = True
 
     def end(self, result) -> None:
+        self.update_entropy.end(result)
         if self.diag is not None:
             self.diag.close()

@@ -108,6 +108,7 @@ class TrainConfig:
     # --- diagnostics (flashguard.diagnostics.trainer) ---
     diagnostics_every: int = 0        # probes every N steps, on the step's own batch (0: off; 50 recommended)
     diagnostics_layers: list = field(default_factory=list)  # layer indices to probe, e.g. [1]; empty: all
+    update_entropy_every: int = 0     # weights/update_entropy/L* every N steps (diagnostics/update_entropy.py; 0: off)
     # --- end diagnostics ---
 
 
@@ -247,6 +248,7 @@ def _validate(cfg: RunConfig) -> None:
          f"must be > 1 (or unset), got {t.divergence_factor!r}")
     # --- diagnostics ---
     need(t.diagnostics_every >= 0, "train.diagnostics_every", "must be >= 0 (0: off)")
+    need(t.update_entropy_every >= 0, "train.update_entropy_every", "must be >= 0 (0: off)")
     need(all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in t.diagnostics_layers),
          "train.diagnostics_layers", f"must be a list of layer indices (e.g. [1]), got {t.diagnostics_layers!r}")
     # --- end diagnostics ---

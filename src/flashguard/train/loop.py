@@ -150,6 +150,10 @@ def _check_hooks(cfg: RunConfig, hooks) -> list:
         raise ConfigError(f"train.diagnostics_every = {cfg.train.diagnostics_every} needs the diagnostics hook: "
                           "train(cfg, run_dir, hooks=[flashguard.diagnostics.DiagnosticsHook()]) "
                           "(flashguard train and repro pass it)")
+    if cfg.train.update_entropy_every and "train.update_entropy_every" not in claimed:
+        raise ConfigError(f"train.update_entropy_every = {cfg.train.update_entropy_every} needs its hook: "
+                          "train(cfg, run_dir, hooks=[flashguard.diagnostics.DiagnosticsHook()]), which carries "
+                          "flashguard.diagnostics.update_entropy.UpdateEntropyHook (flashguard train and repro pass it)")
     return hooks
 
 

@@ -25,6 +25,15 @@ step for many thresholds in one pass where the detector allows it.
   the probes' per-layer maximum, as Megatron-LM logs the max attention logit), alarm above the
   threshold (default 100: the tau of MuonClip's QK-clip, a published "too large" logit). Scored at
   the probe steps only (the records that carry the probe).
+* ``SpectralEntropyDetector``: score = 1 - the smallest normalised spectral entropy of the
+  W_Q W_K^T update over the layers (``weights/update_entropy/L<l>``, the minimum over heads that
+  ``train.update_entropy_every`` logs; definition in flashguard.diagnostics.update_entropy, after
+  arXiv 2606.28116): larger = an update concentrated in fewer directions; alarm at score >=
+  threshold, grid in (0, 1). Scored only on the records that carry the key. The default 0.5
+  (entropy below one half) is ours, not the preprint's: calibration sets it.
+* ``KillLossSpikeDetector``: llm-foundry's ``KillLossSpike`` callback's rule on ``loss/train``
+  (its class docstring and code; defaults window 100, outlier_multiplier 2, patience 4, loss_cap
+  10); threshold = the outlier multiplier. Details in its docstring.
 """
 from __future__ import annotations
 
@@ -37,9 +46,10 @@ from ... import keys
 from ...diagnostics.monitor import WARNING, WATCH, Monitor, MonitorThresholds
 
 __all__ = ["Detector", "ScoreDetector", "SpikeDetector", "MaxLogitDetector", "MonitorDetector",
-           "monitor_thresholds", "default_detectors", "replay"]
+           "SpectralEntropyDetector", "KillLossSpikeDetector", "monitor_thresholds", "default_detectors", "replay"]
 
 _MAX_LOGIT = re.compile(keys.MAX_LOGIT.pattern())   # per-layer keys (fullmatch)
+_UPDATE_ENTROPY = re.compile(keys.UPDATE_ENTROPY.pattern())
 
 
 def _number(x) -> bool:
@@ -173,6 +183,96 @@ class MaxLogitDetector(ScoreDetector):
         return max(math.inf if not math.isfinite(v) else v for v in vals)
 
 
+class SpectralEntropyDetector(ScoreDetector):
+    """score = 1 - min over layers of ``weights/update_entropy/L<l>`` (H in [0, 1], the normalised
+    spectral entropy of the W_Q W_K^T update, flashguard.diagnostics.update_entropy); alarm at
+    score >= threshold, i.e. some layer's update entropy <= 1 - threshold. None (no score) on a
+    record without the key; a non-finite value scores +inf."""
+
+    name = "update-entropy"
+    grid = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
+
+    def __init__(self, threshold: float = 0.5):
+        super().__init__(threshold)
+        self.about = ("1 - the smallest normalised spectral entropy of the W_Q W_K^T update over the layers "
+                      "(weights/update_entropy/L*, train.update_entropy_every; after arXiv 2606.28116), alarm at "
+                      "score >= threshold; scored where the key is logged")
+
+    def start(self, warmup: int = 0) -> None:
+        pass
+
+    def score(self, record: dict) -> float | None:
+        vals = [v for k, v in record.items() if _UPDATE_ENTROPY.fullmatch(k) and _number(v)]
+        if not vals:
+            return None
+        if not all(math.isfinite(v) for v in vals):
+            return math.inf
+        return 1.0 - min(vals)
+
+
+class KillLossSpikeDetector(Detector):
+    """llm-foundry's ``KillLossSpike`` rule (llmfoundry/callbacks/kill_loss_spike_callback.py, its
+    documented definition and defaults), replayed on ``loss/train``:
+
+    * a rolling window of the last ``window`` (100) training losses; nothing is tested until it is
+      full (as there: "only start ... once a full window of loss data");
+    * once it is full, a loss >= ``outlier_multiplier`` (2; this detector's threshold) x the window's
+      mean is an outlier (>= as in the source's code; its docstring says "greater than"); a
+      non-outlier resets the count; more than ``patience`` (4) consecutive outliers is a loss spike:
+      alarm (so the 5th outlier in a row alarms);
+    * persistently high loss: in both of the source's versions the test is that at least half of the
+      window's losses exceed ``loss_cap`` (10), from the step 2 x window on (a count of the losses
+      seen, this one included), not the window's mean: that is what is implemented here. Tested, as
+      there, only when the loss is not a spike (the alarm is the same either way).
+
+    Where the versions differ: every loss enters the window after it is tested, outliers included
+    (both versions do this); the window and the cap are fixed (the first version; a later one
+    widens the window to 5 % of the run's steps and sets the cap to the first window's largest
+    loss, at most 10, unless they are given, which needs the run's length in advance). Choices of
+    ours: a non-finite loss is an outlier and stays out of the window (in the source a NaN is never
+    an outlier and poisons the mean); a record without ``loss/train`` changes nothing. The window
+    counts records, i.e. steps when the loss is logged every step (``train.log_every = 1``).
+    Warm-up is not used (the source has none). Larger thresholds alarm no earlier."""
+
+    name = "kill-loss-spike"
+    grid = (1.1, 1.2, 1.3, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0)
+
+    def __init__(self, threshold: float = 2.0, *, window: int = 100, patience: int = 4, loss_cap: float = 10.0):
+        super().__init__(threshold)
+        if window < 1 or patience < 0:
+            raise ValueError(f"window must be >= 1 and patience >= 0, got {window}, {patience}")
+        self.window, self.patience, self.loss_cap = int(window), int(patience), float(loss_cap)
+        self.about = (f"llm-foundry's KillLossSpike rule on loss/train: once a window of {window} losses is full, "
+                      f"more than {patience} consecutive losses >= threshold x the window's mean (threshold = "
+                      f"outlier_multiplier, default 2), or from step {2 * window} on at least half the window above "
+                      f"{loss_cap:g}")
+        self.start()
+
+    def start(self, warmup: int = 0) -> None:
+        self._hist: deque = deque(maxlen=self.window)
+        self._seen = 0       # losses seen (records with the key)
+        self._outliers = 0
+
+    def update(self, record: dict) -> bool:
+        x = record.get(keys.LOSS_TRAIN)
+        if not _number(x):
+            return False
+        self._seen += 1
+        alarm = False
+        if len(self._hist) == self.window:
+            mean = sum(self._hist) / len(self._hist)
+            if not math.isfinite(x) or x >= self.threshold * mean:
+                self._outliers += 1
+                alarm = self._outliers > self.patience
+            else:
+                self._outliers = 0
+            if not alarm and self._seen >= 2 * self.window:
+                alarm = sum(v > self.loss_cap for v in self._hist) >= self.window / 2
+        if math.isfinite(x):
+            self._hist.append(float(x))
+        return alarm
+
+
 def monitor_thresholds(scale: float, warmup: int = 0) -> MonitorThresholds:
     """The monitor's thresholds at scale k (k = 1: ``MonitorThresholds.for_warmup(warmup)``, the
     defaults): growth rate and logit thresholds x k, ratio thresholds ^ k."""
@@ -242,7 +342,7 @@ def default_detectors() -> list[Detector]:
     shared: dict = {}
     return [MonitorDetector("warning", shared=shared), MonitorDetector("watch", shared=shared),
             SpikeDetector(keys.LOSS_TRAIN, name="loss-spike"), SpikeDetector(keys.GRAD_NORM, name="grad-spike"),
-            MaxLogitDetector()]
+            MaxLogitDetector(), KillLossSpikeDetector(), SpectralEntropyDetector()]
 
 
 def replay(detector: Detector, records, *, warmup: int = 0) -> list[tuple[int, bool]]:

@@ -25,6 +25,16 @@ def _hits(m) -> str:
     return f"{m['hits']}/{m['divergent']} ({m['hits_ahead']} ahead)"
 
 
+def _scored(d: dict, runs: int) -> str:
+    """A score detector whose signal some runs do not log: say so (no alarm is possible there)."""
+    n = d.get("scored_runs")
+    if n is None or n == runs:
+        return ""
+    if n == 0:
+        return " **Its signal is logged in none of these runs: it cannot alarm here, its misses say nothing.**"
+    return f" Its signal is logged in {n} of the {runs} runs only (the others cannot alarm)."
+
+
 def early_warning_markdown(res: dict) -> str:
     c = res["counts"]
     seeds = ", ".join(f"seed {s}: {v['divergent']} divergent / {v['stable']} stable / {v.get('other', 0)} other"
@@ -43,7 +53,8 @@ def early_warning_markdown(res: dict) -> str:
          "lead 0 is an alarm at the divergence step itself). A miss: no alarm up to d. A false alarm: any alarm "
          "in a stable run. Lead times: median [quartiles] over the hits.", "",
          "## Detectors", ""]
-    L += [f"* **{d['name']}** (default {d['default']:g}): {d['about']}." for d in res["detectors"]]
+    L += [f"* **{d['name']}** (default {d['default']:g}): {d['about']}.{_scored(d, c['runs'])}"
+          for d in res["detectors"]]
     L += ["", "## At the default thresholds, all runs", "",
           "| detector | threshold | hits / divergent | misses | lead time | false alarms / stable | alarms / other |",
           "|---|---|---|---|---|---|---|"]

@@ -24,7 +24,7 @@ from ...keys import MAX_LOGIT
 from ...train.divergence import describe_rule
 from ...utils.atomic import atomic_write_json, atomic_write_text
 from .calibrate import FALSE_ALARM_TARGET, calibrate, split_by_seed
-from .detectors import MonitorDetector, default_detectors, monitor_thresholds
+from .detectors import MonitorDetector, ScoreDetector, default_detectors, monitor_thresholds
 from .evaluate import grid_of, measure, sweep
 from .figures import lead_times, tradeoff
 from .report import early_warning_markdown
@@ -97,8 +97,8 @@ def evaluate_detectors(runs, detectors=None, *, target: float = FALSE_ALARM_TARG
         "runs": [{"id": r.id, "seed": r.seed, "arm": r.arm, "injection": r.injection, "diverged": r.diverged,
                   "divergence_step": r.divergence_step, "divergence_reason": r.divergence_reason,
                   "last_step": r.last_step, "warmup": r.warmup, **_peaks(r)} for r in runs],
-        "detectors": [{"name": d.name, "about": d.about, "default": d.threshold, "grid": grid_of(d)}
-                      for d in detectors],
+        "detectors": [{"name": d.name, "about": d.about, "default": d.threshold, "grid": grid_of(d),
+                       "scored_runs": _scored_runs(d, runs)} for d in detectors],
         "default": default,
         "false_alarm_target": target,
         "split": {"rule": "calibration = runs of odd seeds, held out = runs of even seeds (reverse fold beside it)",
@@ -109,6 +109,15 @@ def evaluate_detectors(runs, detectors=None, *, target: float = FALSE_ALARM_TARG
         "signals": leading_signals(runs),
         "signals_p90": leading_signals(runs, band=90),
     }
+
+
+def _scored_runs(detector, runs) -> int | None:
+    """How many runs give a score detector a score at all (a signal not logged in a run, e.g. the
+    update entropy without ``train.update_entropy_every``, can raise no alarm there); None for the
+    detectors that read every step's loss or the monitor's inputs."""
+    if not isinstance(detector, ScoreDetector):
+        return None
+    return sum(bool(detector.with_threshold(detector.threshold).scores(r.records)) for r in runs)
 
 
 def _peaks(run) -> dict:
