@@ -29,7 +29,9 @@ __all__ = ["STEP", "LOSS_TRAIN", "LOSS_VAL", "LR", "GRAD_NORM", "STEP_TIME", "TO
            "O_ERR_BIAS", "O_ERR_ABS", "O_ERR_BIAS_ABSMAX", "O_ERR_BIAS_VSIGN", "DELTA_ERR_MEAN", "DELTA_ERR_ABS",
            "DELTA_ERR_REL", "DELTA_ERR_POS_FRAC", "DELTA_ERR_CUMSUM", "O_ERR_Z", "DELTA_ERR_Z",
            "EXACT_TIE_RATE", "TIE_AT_SINK", "TIE_AT_SINK_CHANCE", "V_SIGN_AGREE", "O_ERR_Z_ROW", "O_ERR_RATIO_ROW",
-           "DELTA_ERR_Z_ROW", "DELTA_ERR_RATIO_ROW", "CENSUS_METRICS", "WQ_ERR_SV", "WQ_ERR_RANK1_FRAC",
+           "DELTA_ERR_Z_ROW", "DELTA_ERR_RATIO_ROW", "CENSUS_METRICS", "DELTA_FROM_O_MEAN", "DELTA_FROM_O_Z",
+           "DELTA_OWN_MEAN", "DELTA_OWN_Z", "DELTA_FROM_O_TIED", "DELTA_FROM_O_UNTIED", "DELTA_OWN_TIED",
+           "DELTA_OWN_UNTIED", "TIED_ROW_FRAC", "DELTA_SPLIT_METRICS", "WQ_ERR_SV", "WQ_ERR_RANK1_FRAC",
            "WQ_ERR_NORM", "WQ_ERR_REL", "WQ_ERR_COS_PREV", "WQ_ERR_COS_SUM", "WQ_ERR_ALIGN_TOP",
            "WQ_ERR_TOP_PUSH", "WQ_ERR_SV_PATTERN", "wq_err", "wq_err_sv", "parse_sv", "UPDATE_ENTROPY",
            "HOOK_METRICS"]
@@ -144,6 +146,21 @@ DELTA_ERR_POS_FRAC = _m("numerics", "delta_err_pos_frac")
 DELTA_ERR_CUMSUM = _m("numerics", "delta_err_cumsum")
 O_ERR_Z = _m("numerics", "o_err_z")          # z of O's error over (sequence, head) units
 DELTA_ERR_Z = _m("numerics", "delta_err_z")  # z of delta's error over (sequence, head) units
+# delta's error split where it is born (issue 23 item 3): from O's error (rowsum(dO * O_lp) in fp64
+# - delta_ref) and from delta's own product and sum (delta_lp - rowsum(dO * O_lp) in fp64); each
+# part's mean and z over (sequence, head) units, and its mean over rows with several Pbar == 1 in
+# one tile (tied) and over the others
+DELTA_FROM_O_MEAN = _m("numerics", "delta_from_o_mean")
+DELTA_FROM_O_Z = _m("numerics", "delta_from_o_z")
+DELTA_OWN_MEAN = _m("numerics", "delta_own_mean")
+DELTA_OWN_Z = _m("numerics", "delta_own_z")
+DELTA_FROM_O_TIED = _m("numerics", "delta_from_o_tied")
+DELTA_FROM_O_UNTIED = _m("numerics", "delta_from_o_untied")
+DELTA_OWN_TIED = _m("numerics", "delta_own_tied")
+DELTA_OWN_UNTIED = _m("numerics", "delta_own_untied")
+TIED_ROW_FRAC = _m("numerics", "tied_row_frac")
+DELTA_SPLIT_METRICS = (DELTA_FROM_O_MEAN, DELTA_FROM_O_Z, DELTA_OWN_MEAN, DELTA_OWN_Z, DELTA_FROM_O_TIED,
+                       DELTA_FROM_O_UNTIED, DELTA_OWN_TIED, DELTA_OWN_UNTIED, TIED_ROW_FRAC)
 
 # ---- the preconditions census (flashguard.diagnostics.census) --------------------------------
 EXACT_TIE_RATE = _m("numerics", "exact_tie_rate", head=True)   # (row, key tile) pairs whose max repeats bit for bit
@@ -205,7 +222,7 @@ PROBE_METRICS: tuple[Metric, ...] = (
     MAX_LOGIT, SINK_MASS, SINK_TOP_FRAC,
     TIE_RATE, PBAR_ONE, PBAR_ONE_MULTI, O_ERR_BIAS, O_ERR_ABS, O_ERR_BIAS_ABSMAX, O_ERR_BIAS_VSIGN,
     DELTA_ERR_MEAN, DELTA_ERR_ABS, DELTA_ERR_REL, DELTA_ERR_POS_FRAC, DELTA_ERR_CUMSUM, O_ERR_Z, DELTA_ERR_Z,
-    *CENSUS_METRICS,
+    *DELTA_SPLIT_METRICS, *CENSUS_METRICS,
     *WQ_ERR_SV, WQ_ERR_RANK1_FRAC, WQ_ERR_NORM, WQ_ERR_REL, WQ_ERR_COS_PREV, WQ_ERR_COS_SUM, WQ_ERR_ALIGN_TOP,
     WQ_ERR_TOP_PUSH,
 )

@@ -302,6 +302,32 @@ def numerics_metrics(sh: Shadow, *, state: ProbeState | None = None, details: di
                 state.delta_count[layer] = state.delta_count.get(layer, 0) + 1
             cum = state.delta_sum.get(layer, 0.0)
         out[keys.DELTA_ERR_CUMSUM.key(layer)] = cum
+        if t.delta_source == "o_lowp" and t.inputs is not None and t.inputs[3] is not None:
+            out.update(delta_split_metrics(t, ties.multi_one > 0, layer))
+    return out
+
+
+def delta_split_metrics(t, tied_rows: torch.Tensor, layer: int) -> dict:
+    """delta's error (delta_lp - delta_ref, (B, H, T)) split where it is born: ``from_o``, the
+    part O's error carries (rowsum(dO * O_lp) in fp64 - delta_ref, dO as the backward rounded it)
+    and ``own``, the part delta's own product and sum add (delta_lp - rowsum(dO * O_lp) in fp64);
+    the two add up to the error. Each part's mean and z over (sequence, head) units (the unit of
+    DELTA_ERR_Z), and its mean over the rows with several Pbar == 1 in one tile (``tied_rows``,
+    (B, H, T) bool) and over the others (each left out when it has no rows: no value, not a
+    made-up one)."""
+    do = t.inputs[3].to(torch.float64)
+    exact_of_lp = (do * t.o).sum(dim=-1)                           # (B, H, T)
+    parts = {"from_o": exact_of_lp - t.delta_ref, "own": t.delta - exact_of_lp}
+    names = {"from_o": (keys.DELTA_FROM_O_MEAN, keys.DELTA_FROM_O_Z, keys.DELTA_FROM_O_TIED, keys.DELTA_FROM_O_UNTIED),
+             "own": (keys.DELTA_OWN_MEAN, keys.DELTA_OWN_Z, keys.DELTA_OWN_TIED, keys.DELTA_OWN_UNTIED)}
+    out = {keys.TIED_ROW_FRAC.key(layer): float(tied_rows.to(torch.float64).mean())}
+    for part, x in parts.items():
+        mean_k, z_k, tied_k, untied_k = names[part]
+        out[mean_k.key(layer)] = float(x.mean())
+        out[z_k.key(layer)] = bias_stats(unit_means(x, "sequence", feature_dim=False), "sequence").z
+        for key, rows in ((tied_k, tied_rows), (untied_k, ~tied_rows)):
+            if rows.any():
+                out[key.key(layer)] = float(x[rows].mean())
     return out
 
 
