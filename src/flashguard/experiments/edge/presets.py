@@ -84,6 +84,7 @@ class EdgePreset:
     eval_batches: int = 20
     checkpoint_every: int = 250
     overrides: tuple[str, ...] = field(default_factory=tuple)
+    probes: tuple[str, ...] = ()        # the probes' keys, set after the LR experiment's (which turn them off)
     about: str = ""
 
     def __post_init__(self):
@@ -111,6 +112,15 @@ EDGE_PRESETS: dict[str, EdgePreset] = {p.name: p for p in (
                      "(where paper diverged at both seeds of micro-lr-edge and fp32, paper-fp32fwd and the "
                      "backward in fp32 trained), the LR experiment's schedule (1,000 steps, warm-up 5 %, cosine to "
                      "lr/10), 13 arms, seeds 1-10"),
+    # the divergent and stable runs of the early-warning evaluation on natural divergences (issue 23
+    # item 4): paper's divergences and their fp32 / fa2 twins, probed every 10 steps (max logit,
+    # the monitor's W_Q / W_K norms) and the update entropy every step
+    EdgePreset("micro-edge-probed", "micro", lrs=(0.139,), arms=(FP32, PAPER, FA2),
+               claims=tuple(c for c in CLAIMS if c.id in ("E0", "E9")), steps=1000, seeds=tuple(range(1, 11)),
+               probes=("train.diagnostics_every=10", "train.update_entropy_every=1"),
+               about="micro-edge's paper, fp32 and fa2 arms (same seeds, batches and lr 0.139) with the probes on "
+                     "every 10 steps and the W_Q.W_K update entropy every step: the runs the early-warning "
+                     "detectors are measured on"),
     EdgePreset("micro-edge-smoke", "micro", lrs=(0.01,), arms=(FP32, PAPER, DELTA_ZERO_MEAN, O_ZERO_MEAN, SDPA),
                claims=tuple(c for c in CLAIMS if c.id in ("E0", "E1", "E3", "E10")), steps=12, seeds=(1, 2),
                eval_batches=2, checkpoint_every=6,

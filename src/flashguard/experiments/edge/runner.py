@@ -53,7 +53,7 @@ def run_edge(preset: EdgePreset, out: str | Path, *, seeds=None, steps: int | No
     out = Path(out)
     base = config_path(get_preset(preset.repro))
     steps = steps or preset.steps
-    common = _common(preset, steps, progress, overrides)
+    common = _common(preset, steps, progress, [*preset.probes, *overrides])
     for a in preset.arms:  # every arm's config must load before anything trains
         load_config(base, [*common, *run_spec(a, preset.lrs[0], 0).overrides, f"train.steps={steps}"])
     seeds = list(preset.seeds) if not seeds else [int(s) for s in seeds]
