@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..lr_sensitivity.presets import FA2, FP32, PAPER, PAPER_BWD32, PAPER_FP32FWD, Arithmetic
+from ..lr_sensitivity.presets import FA2, FP32, PAPER, PAPER_BWD32, PAPER_FP32FWD, PAPER_FP32FWD_BWD32, Arithmetic
 
 __all__ = ["Claim", "EdgePreset", "EDGE_PRESETS", "ARMS", "CLAIMS", "get_edge_preset"]
 
@@ -72,6 +72,25 @@ CLAIMS = (
 )
 
 
+# Which part of the forward (added after E0-E10 were read: with 10 of 10 runs diverging whatever is
+# done to delta or to O's lean, and 6 of 10 with the forward in fp32, which of the forward's bf16
+# intermediates matters; claims written before these runs)
+LSE_FP32 = Arithmetic("lse-fp32", "paper, lse fp32", ("attention.precision=paper[lse=fp32]",))
+STATS_FP32 = Arithmetic("softmax-fp32", "paper, scores / statistics / lse fp32",
+                        ("attention.precision=paper[scores=fp32,stats=fp32,lse=fp32]",))
+PV_FP32 = Arithmetic("pv-fp32", "paper, PV and O accumulation fp32", ("attention.precision=paper[pv=fp32,o_accum=fp32]",))
+FORWARD_CLAIMS = (
+    CLAIMS[0],
+    Claim("F1", "lse in fp32 (the backward's P = exp(S - lse) from an fp32 lse) removes the divergence", "lse-fp32",
+          "paper", "fewer"),
+    Claim("F2", "the softmax's scores, statistics and lse in fp32 remove the divergence", "softmax-fp32", "paper",
+          "fewer"),
+    Claim("F3", "the PV product and O's accumulation in fp32 remove the divergence", "pv-fp32", "paper", "fewer"),
+    Claim("F4", "forward and backward in fp32 (paper-fp32fwd with the backward fp32) remove the divergence",
+          "paper-fp32fwd-bwd32", "paper", "fewer"),
+)
+
+
 @dataclass(frozen=True)
 class EdgePreset:
     name: str
@@ -121,6 +140,12 @@ EDGE_PRESETS: dict[str, EdgePreset] = {p.name: p for p in (
                about="micro-edge's paper, fp32 and fa2 arms (same seeds, batches and lr 0.139) with the probes on "
                      "every 10 steps and the W_Q.W_K update entropy every step: the runs the early-warning "
                      "detectors are measured on"),
+    EdgePreset("micro-edge-forward", "micro", lrs=(0.139,), arms=(FP32, PAPER, LSE_FP32, STATS_FP32, PV_FP32,
+                                                                  PAPER_FP32FWD_BWD32),
+               claims=FORWARD_CLAIMS, steps=1000, seeds=tuple(range(1, 11)),
+               about="micro-edge's set-up (lr 0.139, seeds 1-10; the fp32 and paper runs are micro-edge's), with "
+                     "paper's forward raised to fp32 one part at a time: which forward intermediate holds the edge "
+                     "down (added after micro-edge's claims were read; its claims F1-F4 written before its runs)"),
     EdgePreset("micro-edge-smoke", "micro", lrs=(0.01,), arms=(FP32, PAPER, DELTA_ZERO_MEAN, O_ZERO_MEAN, SDPA),
                claims=tuple(c for c in CLAIMS if c.id in ("E0", "E1", "E3", "E10")), steps=12, seeds=(1, 2),
                eval_batches=2, checkpoint_every=6,
