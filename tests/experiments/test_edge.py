@@ -99,7 +99,7 @@ def test_smoke_run_end_to_end_resumable(tiny_data, tmp_path, monkeypatch, capsys
     assert batches and all(b[:3] == batches[0][:3] for b in batches)  # matched batches
     cfg = load_config(out / "runs" / "s1" / "o-zero-mean" / "lr0.01" / "config.toml")
     assert (cfg.injection.rule, cfg.injection.point, cfg.optim.lr) == ("zero-mean", "o", 0.01)
-    assert "| E1: " in (out / "edge.md").read_text()
+    assert "| E1: " in (out / "edge.md").read_text() and (out / "survival_lr0.01.png").stat().st_size > 0
     before = {r["dir"]: (out / r["dir"] / "metrics.jsonl").stat().st_mtime_ns for r in saved["runs"]}
     capsys.readouterr()
     assert main(["repro", "--experiment", "edge", "--preset", "micro-edge-smoke", "--seeds", "1", "--out", str(out),

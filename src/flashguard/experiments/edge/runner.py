@@ -26,6 +26,7 @@ from ..lr_sensitivity.runner import _common, _drop_checkpoints, warmup_steps
 from ..repro.presets import config_path, get_preset
 from ..repro.runner import _versions, markdown_footer, train_run
 from .analysis import arm_summary, judge_claims, rules_text
+from .figures import survival_curves
 from .presets import EdgePreset
 from .sizes import injected_error_sizes
 
@@ -113,6 +114,12 @@ def _write(out: Path, preset: EdgePreset, seeds, steps: int, common, sizes: dict
               "divergence_rule": describe_rule(DIVERGENCE_FACTOR), "rules": rules_text(),
               "error_sizes": sizes, "by_lr": per_lr, "versions": _versions(), "runs": runs}
     out.mkdir(parents=True, exist_ok=True)
+    result["figures"] = []
+    for block in per_lr:
+        name = f"survival_{lr_name(block['lr'])}.png"
+        survival_curves(block["arms"], steps, out / name,
+                        title=f"{preset.name}, peak lr {block['lr']:.3g}: seeds still training ({len(seeds)} seeds)")
+        result["figures"].append(name)
     atomic_write_text(out / "edge.json", json.dumps(result, indent=1, default=float) + "\n")
     atomic_write_text(out / "edge.md", edge_markdown(result))
     return result
