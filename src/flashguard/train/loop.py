@@ -29,14 +29,17 @@ import torch.distributed as dist
 from .. import keys
 from ..utils.atomic import atomic_write_text
 from ..utils.jsonl import read_jsonl
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import ConfigError, RunConfig, config_to_dict, load_config, save_config
+from .checkpoint import latest_checkpoint
+from .checkpointer import Checkpointer
+from .config import ConfigError, RunConfig, save_config
 from .divergence import LossWatch
+from .evaluator import Evaluator, last_ce
 from .hooks import RunInfo, StepInfo, TrainHook
 from .loggers import run_logger
+from .sampling import Batches, load_replay
 from .schedule import learning_rate
 
-__all__ = ["train", "TrainResult", "EXIT_OK", "EXIT_CONFIG", "EXIT_DIVERGED", "JsonlLog", "build_model", "gpt_config"]
+__all__ = ["train", "Trainer", "TrainResult", "EXIT_OK", "EXIT_CONFIG", "EXIT_DIVERGED", "JsonlLog", "build_model", "gpt_config"]
 
 EXIT_OK = 0        # finished
 EXIT_CONFIG = 2    # bad configuration, data or arguments (one line names the problem)
@@ -157,34 +160,22 @@ def _check_hooks(cfg: RunConfig, hooks) -> list:
     return hooks
 
 
-def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: str | Path | None = None,
-          log_fn=print, hooks=()) -> TrainResult:
-    """Train ``cfg`` into ``run_dir``. ``hooks``: TrainHooks called at the loop's points
-    (flashguard.train.hooks); ``log_fn`` receives the console lines."""
-    from ..data import TokenDataset
-
-    hooks = _check_hooks(cfg, hooks)
-    run_dir = Path(run_dir)
-    world, rank, device = _setup_distributed(cfg.train.device)
-    main = rank == 0
-    t = cfg.train
-    if cfg.data.batch_size % (world * t.grad_accum):
+def _check_batch_split(cfg: RunConfig, world: int) -> None:
+    if cfg.data.batch_size % (world * cfg.train.grad_accum):
         raise ConfigError(f"data.batch_size ({cfg.data.batch_size}) must be divisible by the number of "
-                          f"processes ({world}) times train.grad_accum ({t.grad_accum})")
+                          f"processes ({world}) times train.grad_accum ({cfg.train.grad_accum})")
+
+
+def _open_data(cfg: RunConfig):
+    from ..data import TokenDataset
     try:
-        data = TokenDataset(cfg.data.dir)
+        return TokenDataset(cfg.data.dir)
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"data.dir: {e}") from None
 
-    torch.manual_seed(t.seed)
-    model = build_model(cfg, data.vocab_size).to(device)
-    _check_kernels(model, device)
-    # [injection]: delta hooks in the chosen flash layers, their draws keyed by (seed, step, call, layer, rank)
-    from .injection import InjectionHook
-    injection = InjectionHook.install(model, cfg, rank=rank)
-    if injection is not None:
-        hooks.insert(0, injection)
-    block = model.config.block_size
+
+def _check_data_fits(cfg: RunConfig, data, block: int) -> None:
+    """Each split holds more than one block, and its document starts (data.doc_starts) are usable."""
     for split in ("train", "val"):
         if data.num_tokens(split) <= block + 1:
             raise ConfigError(f"model.block_size ({block}) does not fit the {split} split of {cfg.data.dir} "
@@ -194,181 +185,205 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: 
                 data.usable_doc_starts(split, block)
             except ValueError as e:
                 raise ConfigError(f"data.doc_starts: {e}") from None
-    o = cfg.optim
-    optimizer = model.configure_optimizer(weight_decay=o.weight_decay, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    raw_model = model
-    if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    sampler = torch.Generator().manual_seed(t.seed + 1)
-    start, best_val, resumed_from = 0, None, None
-    metrics_path, batches_path = run_dir / "metrics.jsonl", run_dir / "batches.jsonl"
-    if resume:
-        ckpt_path = latest_checkpoint(run_dir)
-        if ckpt_path is None:
-            raise ConfigError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
-        state = load_checkpoint(ckpt_path)
-        raw_model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optim"])
-        sampler.set_state(state["data_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        if device.type == "cuda" and state.get("cuda_rng") is not None:
-            # the CUDA generator draws the sdpa backend's dropout masks (flash and math seed theirs
-            # from the CPU generator above); a checkpoint from a CPU run has none to restore
-            torch.cuda.set_rng_state(state["cuda_rng"], device)
-        start, best_val = state["step"], state.get("best_val")
-        if main:
-            JsonlLog.truncate_after(metrics_path, start - 1)
-            JsonlLog.truncate_after(batches_path, start - 1)
-            resumed_from = ckpt_path
-    elif main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if latest_checkpoint(run_dir) is not None or metrics_path.exists():
-            raise ConfigError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
-    if world > 1:
-        dist.barrier()
-    if main:
-        save_config(cfg, run_dir / "config.toml")
 
-    replayed = None
-    if replay is not None:
-        replayed = {r["step"]: r["indices"] for r in JsonlLog.read(Path(replay) / "batches.jsonl")}
-        if not replayed:
-            raise ConfigError(f"--replay: {Path(replay) / 'batches.jsonl'} has no batches")
-        other = load_config(Path(replay) / "config.toml") if (Path(replay) / "config.toml").exists() else None
-        if other is not None and other.data.batch_size != cfg.data.batch_size:
-            raise ConfigError(f"--replay: data.batch_size {cfg.data.batch_size} differs from the replayed run's "
-                              f"{other.data.batch_size}")
+def _claim_run_dir(run_dir: Path) -> None:
+    """A fresh run's folder: created, and refused when it already holds a run."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if latest_checkpoint(run_dir) is not None or (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(f"{run_dir} already holds a run; use --resume to continue it or another --out")
 
-    logger = run_logger(cfg, run_dir, main=main, start=start, log_fn=log_fn)
-    batches = JsonlLog(batches_path, main)
-    if resumed_from is not None:
-        logger.message(f"resumed from {resumed_from} at step {start}")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.autocast == "bf16")
-    per_rank = cfg.data.batch_size // world
-    micro = per_rank // t.grad_accum
-    tokens_per_step = cfg.data.batch_size * block
 
-    def evaluate() -> float:
-        gen = torch.Generator().manual_seed(t.seed + 2)  # the same validation batches every time
-        raw_model.eval()
-        losses = []
-        with torch.no_grad(), autocast:
-            for _ in range(t.eval_batches):
-                idx = data.sample_indices("val", cfg.data.batch_size, block, gen, doc_starts=cfg.data.doc_starts)
-                x, y = data.batch("val", idx, block)
-                losses.append(_ce_of(raw_model, x.to(device), y.to(device)))
-        raw_model.train()
-        return float(sum(losses) / len(losses))
+class Trainer:
+    """One training run. Construction does everything before step 0 (and refuses what cannot run);
+    ``train()`` loops over ``train_step()``, with evaluation, logging and checkpoints after each step.
 
-    last_loss, diverged, step, result = float("nan"), False, start, None
-    watch = LossWatch(t.divergence_factor, after=o.warmup_steps, ceiling=t.divergence_loss)
-    if resume:
-        # the watch's running minimum, initial loss and baseline window; a checkpoint from before
-        # the initial-loss and gradient tests kept only the running minimum (those tests stay off)
-        watch.load_state_dict(state.get("divergence_watch") or {"best": state.get("loss_min", math.inf)})
-    try:
-        run = RunInfo(cfg=cfg, run_dir=run_dir, model=raw_model, start=start, rank=rank, world=world,
-                      log=logger.message)
-        for h in hooks:
-            h.start(run)
-        for step in range(start, t.steps):
-            for h in hooks:
-                h.step_begin(step, raw_model)
-            t0 = time.perf_counter()
-            lr = learning_rate(step, o, t.steps)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
-            if replayed is not None:
-                if step not in replayed:
-                    raise ConfigError(f"--replay: the replayed run has no batch for step {step}")
-                indices = torch.tensor(replayed[step], dtype=torch.long)
-            else:
-                indices = data.sample_indices("train", cfg.data.batch_size, block, sampler,
-                                              doc_starts=cfg.data.doc_starts)
-            mine = indices[rank * per_rank:(rank + 1) * per_rank]
-            loss_sum = torch.zeros((), device=device)
-            for j in range(t.grad_accum):
-                x, y = data.batch("train", mine[j * micro:(j + 1) * micro], block)
-                x, y = x.to(device), y.to(device)
-                sync = contextlib.nullcontext() if (world == 1 or j == t.grad_accum - 1) else model.no_sync()
-                with sync:
-                    with autocast:
-                        _, loss = model(x, y)
-                    (loss / t.grad_accum).backward()
-                loss_sum += _last_ce(raw_model, loss).detach() / t.grad_accum
-            train_loss = _all_mean(loss_sum, world).item()
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), o.grad_clip or float("inf")).item()
-            record = {keys.STEP: step, keys.LOSS_TRAIN: train_loss, keys.LR: lr, keys.GRAD_NORM: grad_norm}
-            info = StepInfo(step=step, model=raw_model, indices=indices, record=record)
-            for h in hooks:  # e.g. the probes and the monitor, into the record, before optimizer.step()
-                h.after_backward(info)
-            why = watch.update(step, train_loss, grad_norm)
-            bad = why is not None
-            if bad:
-                diverged = True
-                record[keys.DIVERGED] = 1
-                if main:
-                    _write_divergence(run_dir, step, record, indices, train_loss, grad_norm, why)
-                    logger.message(f"divergence at step {step}: {why}"
-                           f" (details in {run_dir / 'divergence.json'})")
-            if not bad or (t.on_divergence == "continue" and math.isfinite(grad_norm)):
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            for h in hooks:
-                h.after_optimizer_step(info)
-            batches.write({"step": step, "indices": indices.tolist()})
-            dt = time.perf_counter() - t0
-            record[keys.STEP_TIME] = dt
-            record[keys.TOKENS_PER_S] = tokens_per_step / dt
-            last_loss = train_loss
-            done = step + 1
-            if t.eval_every and (done % t.eval_every == 0 or done == t.steps) and not (bad and t.on_divergence == "stop"):
-                val = evaluate()
-                record[keys.LOSS_VAL] = val
-                is_best = best_val is None or val < best_val
-                best_val = val if is_best else best_val
-            else:
-                is_best = False
-            if step % t.log_every == 0 or keys.LOSS_VAL in record or bad or info.keep:
-                logger.metrics(record)
-            logger.progress(record)
-            if bad and t.on_divergence == "stop":
-                break
-            if (t.checkpoint_every and done % t.checkpoint_every == 0) or done == t.steps or is_best:
-                path = None
-                if main:
-                    state = {"step": done, "model": raw_model.state_dict(), "optim": optimizer.state_dict(),
-                             "data_rng": sampler.get_state(), "torch_rng": torch.get_rng_state(),
-                             "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-                             "best_val": best_val, "divergence_watch": watch.state_dict(),
-                             "config": config_to_dict(cfg), "world_size": world}
-                    path = save_checkpoint(run_dir, done, state, t.keep_last, best=is_best)
-                if world > 1:
-                    dist.barrier()
-                for h in hooks:
-                    h.checkpoint(done, path)
-        steps_done = step if diverged and t.on_divergence == "stop" else t.steps
-        result = TrainResult(run_dir, steps_done, diverged, last_loss, best_val)
-    finally:
+    Its parts: the model (``raw_model``; ``model`` is its DDP wrapper under torchrun), the
+    optimizer, ``batches`` (flashguard.train.sampling), ``evaluator`` (flashguard.train.evaluator),
+    ``checkpointer`` (flashguard.train.checkpointer), ``logger`` (flashguard.train.loggers), the
+    divergence ``watch`` and the ``hooks``."""
+
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, *, resume: bool = False,
+                 replay: str | Path | None = None, log_fn=print, hooks=()):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.hooks = _check_hooks(cfg, hooks)
+        self.world, self.rank, self.device = _setup_distributed(cfg.train.device)
+        self.main = self.rank == 0
+        _check_batch_split(cfg, self.world)
+        self.data = _open_data(cfg)
+        self._build_model()
+        sampler = torch.Generator().manual_seed(cfg.train.seed + 1)
+        self.checkpointer = Checkpointer(cfg, self.run_dir, model=self.raw_model, optimizer=self.optimizer,
+                                         sampler=sampler, device=self.device, world=self.world, main=self.main)
+        state, resumed_from = self._start_or_resume(resume)
+        replayed = load_replay(replay, cfg) if replay is not None else None
+        self.logger = run_logger(cfg, self.run_dir, main=self.main, start=self.start, log_fn=log_fn)
+        batch_log = JsonlLog(self.run_dir / "batches.jsonl", self.main)
+        self.batches = Batches(cfg, self.data, sampler, self.block, batch_log, replayed)
+        if resumed_from is not None:
+            self.logger.message(f"resumed from {resumed_from} at step {self.start}")
+        self.autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.train.autocast == "bf16")
+        self.evaluator = Evaluator(cfg, self.data, self.raw_model, self.device, self.autocast, self.block)
+        self.watch = LossWatch(cfg.train.divergence_factor, after=cfg.optim.warmup_steps,
+                               ceiling=cfg.train.divergence_loss)
+        if state is not None:
+            self.watch.load_state_dict(Checkpointer.watch_state(state))
+        self.diverged, self.last_loss = False, float("nan")
+
+    def _build_model(self) -> None:
+        """The seeded model, its [injection] hook, the optimizer and (under torchrun) the DDP wrapper."""
+        cfg, device = self.cfg, self.device
+        torch.manual_seed(cfg.train.seed)
+        self.raw_model = build_model(cfg, self.data.vocab_size).to(device)
+        _check_kernels(self.raw_model, device)
+        # [injection]: delta hooks in the chosen flash layers, their draws keyed by (seed, step, call, layer, rank)
+        from .injection import InjectionHook
+        injection = InjectionHook.install(self.raw_model, cfg, rank=self.rank)
+        if injection is not None:
+            self.hooks.insert(0, injection)
+        self.block = self.raw_model.config.block_size
+        _check_data_fits(cfg, self.data, self.block)
+        o = cfg.optim
+        self.optimizer = self.raw_model.configure_optimizer(weight_decay=o.weight_decay, lr=o.lr,
+                                                            betas=(o.beta1, o.beta2), eps=o.eps)
+        self.model = self.raw_model
+        if self.world > 1:
+            ids = [device.index] if device.type == "cuda" else None
+            self.model = torch.nn.parallel.DistributedDataParallel(self.raw_model, device_ids=ids)
+
+    def _start_or_resume(self, resume: bool) -> tuple[dict | None, Path | None]:
+        """The first step and best validation loss (restored with --resume, the logs cut back to the
+        checkpoint), and config.toml written: (the checkpoint's state, its path) or (None, None)."""
+        self.start, self.best_val = 0, None
+        state = resumed_from = None
+        if resume:
+            path, state = self.checkpointer.restore()
+            self.start, self.best_val = state["step"], state.get("best_val")
+            if self.main:
+                JsonlLog.truncate_after(self.run_dir / "metrics.jsonl", self.start - 1)
+                JsonlLog.truncate_after(self.run_dir / "batches.jsonl", self.start - 1)
+                resumed_from = path
+        elif self.main:
+            _claim_run_dir(self.run_dir)
+        if self.world > 1:
+            dist.barrier()
+        if self.main:
+            save_config(self.cfg, self.run_dir / "config.toml")
+        return state, resumed_from
+
+    def train(self) -> TrainResult:
+        t = self.cfg.train
+        step, result = self.start, None
         try:
-            for h in hooks:
-                h.end(result)
+            run = RunInfo(cfg=self.cfg, run_dir=self.run_dir, model=self.raw_model, start=self.start,
+                          rank=self.rank, world=self.world, log=self.logger.message)
+            for h in self.hooks:
+                h.start(run)
+            for step in range(self.start, t.steps):
+                info, bad = self.train_step(step)
+                stop = bad and t.on_divergence == "stop"
+                is_best = self._evaluate(step + 1, info.record) if not stop else False
+                if step % t.log_every == 0 or keys.LOSS_VAL in info.record or bad or info.keep:
+                    self.logger.metrics(info.record)
+                self.logger.progress(info.record)
+                if stop:
+                    break
+                if self.checkpointer.due(step + 1, is_best):
+                    self._checkpoint(step + 1, is_best)
+            steps_done = step if self.diverged and t.on_divergence == "stop" else t.steps
+            result = TrainResult(self.run_dir, steps_done, self.diverged, self.last_loss, self.best_val)
         finally:
-            logger.close()
-            batches.close()
-    return result
+            try:
+                for h in self.hooks:
+                    h.end(result)
+            finally:
+                self.logger.close()
+                self.batches.close()
+        return result
+
+    def train_step(self, step: int) -> tuple[StepInfo, bool]:
+        """One optimizer step (the hooks called at their points, the batch logged): its StepInfo,
+        and whether the divergence rule fired at it."""
+        t, o = self.cfg.train, self.cfg.optim
+        for h in self.hooks:
+            h.step_begin(step, self.raw_model)
+        t0 = time.perf_counter()
+        lr = learning_rate(step, o, t.steps)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        indices = self.batches.indices(step)
+        train_loss = self._forward_backward(indices)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), o.grad_clip or float("inf")).item()
+        record = {keys.STEP: step, keys.LOSS_TRAIN: train_loss, keys.LR: lr, keys.GRAD_NORM: grad_norm}
+        info = StepInfo(step=step, model=self.raw_model, indices=indices, record=record)
+        for h in self.hooks:  # e.g. the probes and the monitor, into the record, before optimizer.step()
+            h.after_backward(info)
+        bad = self._check_divergence(info, train_loss, grad_norm)
+        if not bad or (t.on_divergence == "continue" and math.isfinite(grad_norm)):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for h in self.hooks:
+            h.after_optimizer_step(info)
+        self.batches.record(step, indices)
+        dt = time.perf_counter() - t0
+        record[keys.STEP_TIME] = dt
+        record[keys.TOKENS_PER_S] = self.cfg.data.batch_size * self.block / dt
+        self.last_loss = train_loss
+        return info, bad
+
+    def _forward_backward(self, indices: torch.Tensor) -> float:
+        """This process's slice of the global batch in train.grad_accum micro-batches, gradients
+        accumulated (DDP syncs at the last): the cross-entropy, averaged over processes."""
+        t = self.cfg.train
+        per_rank = self.cfg.data.batch_size // self.world
+        micro = per_rank // t.grad_accum
+        mine = indices[self.rank * per_rank:(self.rank + 1) * per_rank]
+        loss_sum = torch.zeros((), device=self.device)
+        for j in range(t.grad_accum):
+            x, y = self.data.batch("train", mine[j * micro:(j + 1) * micro], self.block)
+            x, y = x.to(self.device), y.to(self.device)
+            last = self.world == 1 or j == t.grad_accum - 1
+            with contextlib.nullcontext() if last else self.model.no_sync():
+                with self.autocast:
+                    _, loss = self.model(x, y)
+                (loss / t.grad_accum).backward()
+            loss_sum += last_ce(self.raw_model, loss).detach() / t.grad_accum
+        return _all_mean(loss_sum, self.world).item()
+
+    def _check_divergence(self, info: StepInfo, loss: float, grad_norm: float) -> bool:
+        """The divergence rule on this step; when it fires: marked in the record, divergence.json written."""
+        why = self.watch.update(info.step, loss, grad_norm)
+        if why is None:
+            return False
+        self.diverged = True
+        info.record[keys.DIVERGED] = 1
+        if self.main:
+            _write_divergence(self.run_dir, info.step, info.record, info.indices, loss, grad_norm, why)
+            self.logger.message(f"divergence at step {info.step}: {why}"
+                                f" (details in {self.run_dir / 'divergence.json'})")
+        return True
+
+    def _evaluate(self, done: int, record: dict) -> bool:
+        """The validation loss into ``record`` when due: whether it is the best so far."""
+        if not self.evaluator.due(done):
+            return False
+        val = self.evaluator()
+        record[keys.LOSS_VAL] = val
+        is_best = self.best_val is None or val < self.best_val
+        self.best_val = val if is_best else self.best_val
+        return is_best
+
+    def _checkpoint(self, done: int, is_best: bool) -> None:
+        path = self.checkpointer.save(done, best_val=self.best_val, watch=self.watch, is_best=is_best)
+        for h in self.hooks:
+            h.checkpoint(done, path)
 
 
-def _last_ce(model, loss: torch.Tensor) -> torch.Tensor:
-    """The cross-entropy part of the last training loss (the model may add a z-loss)."""
-    ce = getattr(model, "last_ce", None)
-    return ce if ce is not None else loss
-
-
-def _ce_of(model, x, y) -> float:
-    _, loss = model(x, y)
-    return float(_last_ce(model, loss))
+def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, replay: str | Path | None = None,
+          log_fn=print, hooks=()) -> TrainResult:
+    """Train ``cfg`` into ``run_dir``. ``hooks``: TrainHooks called at the loop's points
+    (flashguard.train.hooks); ``log_fn`` receives the console lines."""
+    return Trainer(cfg, run_dir, resume=resume, replay=replay, log_fn=log_fn, hooks=hooks).train()
 
 
 def _write_divergence(run_dir: Path, step: int, record: dict, indices: torch.Tensor, loss: float, grad_norm: float,
