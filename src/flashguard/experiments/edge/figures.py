@@ -36,6 +36,6 @@ def survival_curves(arms: list[dict], steps: int, path, *, title: str = "") -> P
     ax.set_xlabel("step")
     ax.set_ylabel("share of seeds not diverged")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(title or "seeds still training (the one divergence rule)", fontsize=9)
     return save_png(fig, path)
