@@ -30,13 +30,23 @@ PER_LAYER = (keys.SINK_TOP_FRAC, keys.O_ERR_Z_ROW, keys.O_ERR_RATIO_ROW, keys.DE
 WHERE_ROWS = (keys.DELTA_FROM_O_TIED, keys.DELTA_FROM_O_UNTIED, keys.DELTA_OWN_TIED, keys.DELTA_OWN_UNTIED)
 
 
-def expected_keys(layers, n_head, *extra):
-    out = {keys.STEP, keys.DIAGNOSTICS_TIME, *extra}
+def expected_keys(layers, n_head, *extra, weights=True):
+    """A probe step's keys; ``weights``: with the W_Q / W_K norms (found in flashguard's GPT), whose
+    growth keys (``growth_keys``) come from the second probe on."""
+    out = {keys.STEP, keys.DIAGNOSTICS_TIME, keys.MONITOR_STATE, *extra}
     for layer in layers:
         for m in PER_HEAD:
             out |= {m.key(layer)} | {m.key(layer, h) for h in range(n_head)}
         out |= {m.key(layer) for m in PER_LAYER}
+        if weights:
+            out |= {m.key(layer, h) for m in (keys.WQ_NORM, keys.WK_NORM) for h in range(n_head)}
+            out |= {keys.WQ_NORM_MAX.key(layer), keys.WK_NORM_MAX.key(layer)}
     return out
+
+
+def growth_keys(layers, n_head):
+    return {m.key(layer, h) for m in (keys.WQ_GROWTH, keys.WK_GROWTH) for layer in layers for h in range(n_head)} \
+        | {m.key(layer) for m in (keys.WQ_GROWTH_MAX, keys.WK_GROWTH_MAX) for layer in layers}
 
 
 def micro_gpt(seed=0):
@@ -80,7 +90,7 @@ def test_logs_the_trainer_keys_at_the_probe_steps_only_and_installs_nothing_else
     assert F.scaled_dot_product_attention is original and not model._forward_pre_hooks and not model._forward_hooks
     assert [r[keys.STEP] for r in w.records] == [0, 3, 6]
     want = expected_keys([0, 1], model.config.n_head, keys.LOSS_TRAIN)
-    optional = {m.key(layer) for m in WHERE_ROWS for layer in (0, 1)}
+    optional = {m.key(layer) for m in WHERE_ROWS for layer in (0, 1)} | growth_keys([0, 1], model.config.n_head)
     for r in w.records:
         assert want <= set(r) <= want | optional
         assert all(keys.parse(k) is not None for k in r if keys.is_probe_key(k))   # the schema knows them
@@ -101,7 +111,7 @@ def test_layers_by_call_order_and_stepping_by_the_optimizer():
             opt.step()        # the watch steps with the optimizer; no w.step()
             opt.zero_grad()
     assert [r[keys.STEP] for r in w.records] == [0, 2, 4]
-    want = expected_keys([1], model.config.n_head)
+    want = expected_keys([1], model.config.n_head, keys.GRAD_NORM)   # the optimizer's gradient norm
     assert want <= set(w.records[0]) <= want | {m.key(1) for m in WHERE_ROWS}
     opt.step()                # closed: the optimizer hook is gone
     assert len(w.records) == 3
@@ -226,7 +236,7 @@ def test_a_causal_mask_is_measured_as_causal_and_padding_is_skipped():
     model().backward()
     rec = w.step()
     w.close()
-    assert set(rec) == {keys.STEP, keys.DIAGNOSTICS_TIME} and "not measured" in said[0]
+    assert set(rec) == {keys.STEP, keys.DIAGNOSTICS_TIME, keys.MONITOR_STATE} and "not measured" in said[0]
 
 
 def test_logs_are_json_lines_the_package_reader_reads(tmp_path):
@@ -235,13 +245,14 @@ def test_logs_are_json_lines_the_package_reader_reads(tmp_path):
     with watch(model, every=2, log_dir=log_dir, precision="paper") as w:
         train_steps(model, w, 3)
     lines = (log_dir / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 2 and all(isinstance(json.loads(line), dict) for line in lines)
-    assert read_metrics(log_dir) == w.records
+    assert len(lines) == 3 and all(isinstance(json.loads(line), dict) for line in lines)   # a record every step
+    assert [r for r in read_metrics(log_dir) if keys.DIAGNOSTICS_TIME in r] == w.records
     meta = json.loads((log_dir / "watch.json").read_text())
     assert meta["every"] == 2 and meta["precision"] == "paper" and meta["subsample_sequences"] == 8
+    assert meta["kind"] == "flashguard.watch"
     with watch(model, every=2, log_dir=log_dir, precision="paper") as w2:   # appends, as the trainer's log
         train_steps(model, w2, 1)
-    assert [r[keys.STEP] for r in read_metrics(log_dir)] == [0, 2, 0]
+    assert [r[keys.STEP] for r in read_metrics(log_dir)] == [0, 1, 2, 0]
 
 
 def test_failing_probes_never_stop_training(monkeypatch):
@@ -256,7 +267,9 @@ def test_failing_probes_never_stop_training(monkeypatch):
     with watch(model, every=1, precision="paper", log_fn=said.append) as w:
         train_steps(model, w, 2)
     assert [r[keys.DIAGNOSTICS_FAILED] for r in w.records] == [1.0, 1.0]
+    said, lines = [m for m in said if not m.startswith("step ")], [m for m in said if m.startswith("step ")]
     assert len(said) == 1 and "probe broke" in said[0]
+    assert len(lines) == 2 and all("probes failed" in m for m in lines)     # the summary line says so too
 
 
 def test_default_precision_follows_the_input_dtype_and_bad_arguments_fail_early():
@@ -279,11 +292,13 @@ def test_what_it_cannot_see_is_said_once():
     w = Watch(lin, every=1, log_fn=said.append)
     for _ in range(2):
         lin(torch.randn(2, 4)).sum().backward()
-        assert set(w.step()) == {keys.STEP, keys.DIAGNOSTICS_TIME}
+        assert set(w.step()) == {keys.STEP, keys.DIAGNOSTICS_TIME, keys.MONITOR_STATE}
+    said = [m for m in said if not m.startswith("step ")]     # the probe steps' summary lines aside
     assert len(said) == 1 and "no SDPA call" in said[0]
     said.clear()
     model = micro_gpt()
     with watch(model, layers=[1, 5], every=1, precision="paper", log_fn=said.append) as w:
         train_steps(model, w, 1, batch=2)
+    said = [m for m in said if not m.startswith("step ")]
     assert keys.TIE_RATE.key(1) in w.records[0] and len(said) == 1
     assert "layer(s) [5]" in said[0] and "2 call(s)" in said[0]

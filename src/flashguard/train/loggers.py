@@ -14,7 +14,9 @@ from pathlib import Path
 
 from .. import keys
 
-__all__ = ["RunLogger", "JsonlMetrics", "TensorBoardMetrics", "Console", "Loggers", "run_logger"]
+__all__ = ["RunLogger", "JsonlMetrics", "TensorBoardMetrics", "WandbMetrics", "Console", "Loggers", "run_logger"]
+
+WANDB_EXTRA = "pip install flashguard[wandb]"
 
 
 class RunLogger:
@@ -66,6 +68,30 @@ class TensorBoardMetrics(RunLogger):
 
     def close(self) -> None:
         self._tb.close()
+
+
+class WandbMetrics(RunLogger):
+    """Weights & Biases: every value of a kept record logged at its step. The optional extra
+    (``pip install flashguard[wandb]``); wandb is imported only when this logger is made.
+    ``run``: a wandb run to log into; else the active one (``wandb.run``), else a new one from
+    ``wandb.init(**init)``, which ``close`` then finishes (a run it did not start is left open)."""
+
+    def __init__(self, run=None, **init):
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError(f"W&B logging needs the wandb package, the optional extra: {WANDB_EXTRA}") from None
+        active = run if run is not None else getattr(wandb, "run", None)
+        self._own = active is None
+        self._run = active if active is not None else wandb.init(**init)
+
+    def metrics(self, record: dict) -> None:
+        self._run.log({k: v for k, v in record.items() if k != keys.STEP}, step=int(record[keys.STEP]))
+
+    def close(self) -> None:
+        if self._own and self._run is not None:
+            self._run.finish()
+        self._run = None
 
 
 class Console(RunLogger):
