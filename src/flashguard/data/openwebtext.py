@@ -137,55 +137,17 @@ def prepare_openwebtext(
     tok, note = resolve_tokenizer(tokenizer)
     log.info("tokenizer: %s (%s)", tok.name, note)
     nproc = default_num_proc() if num_proc is None else max(1, int(num_proc))
-
-    if isinstance(dataset, str):
-        dataset_id: Any = dataset
-    else:
-        dataset_id = f"<{type(dataset).__name__} fingerprint {getattr(dataset, '_fingerprint', '?')}>"
-    recipe = {
-        "kind": "huggingface",
-        "dataset": dataset_id,
-        "data_files": data_files if data_files is None else _jsonable(data_files),
-        "text_column": text_column,
-        "test_size": test_size,
-        "seed": seed,
-        "tokenizer": str(tok.name),
-        "vocab_size": int(tok.vocab_size),
-    }
+    recipe = _recipe(dataset, data_files, text_column, test_size, seed, tok)
     check_existing(out, recipe, overwrite)
 
     with _hf_progress(progress, datasets):
         if isinstance(dataset, str):
-            kwargs = dict(load_kwargs or {})
-            if data_files is not None:
-                kwargs["data_files"] = data_files
-            if cache_dir is not None:
-                kwargs["cache_dir"] = str(cache_dir)
-            if nproc > 1:
-                kwargs["num_proc"] = nproc
-            loaded = datasets.load_dataset(dataset, **kwargs)
+            loaded = _load(datasets, dataset, data_files, cache_dir, nproc, load_kwargs)
         else:
             loaded = dataset
         full = _train_part(loaded, datasets)
-        if text_column not in full.column_names:
-            raise ValueError(f"dataset has columns {full.column_names}; no {text_column!r} column")
-        if len(full) < 2:
-            raise ValueError(f"need at least 2 documents to split, got {len(full)}")
-        parts = full.train_test_split(test_size=test_size, seed=seed, shuffle=True)
-        splits = {"train": parts["train"], "val": parts["test"]}
-
-        encode = _EncodeBatch(tok, text_column, doc_separator_of(tok))
-        features = _id_features(datasets, tok.vocab_size)
-        tokenized = {}
-        for name, part in splits.items():
-            tokenized[name] = part.map(
-                encode,
-                batched=True,
-                remove_columns=part.column_names,
-                features=features,
-                num_proc=nproc if nproc > 1 and len(part) > 1 else None,
-                desc=f"tokenizing {name}",
-            )
+        splits = _split(full, text_column, test_size, seed)
+        tokenized = _tokenize(datasets, splits, tok, text_column, nproc)
 
     with dataset_transaction(out, tok.vocab_size) as writer:
         for name in ("train", "val"):
@@ -193,7 +155,7 @@ def prepare_openwebtext(
 
     source = {
         "kind": "huggingface",
-        "dataset": dataset_id,
+        "dataset": recipe["dataset"],
         "data_files": recipe["data_files"],
         "documents": len(full),
         "split": (
@@ -212,6 +174,64 @@ def prepare_openwebtext(
         started=started,
     )
     return write_meta(out, meta)
+
+
+def _recipe(dataset: str | Any, data_files: Any, text_column: str, test_size: float, seed: int,
+            tok: Tokenizer) -> dict:
+    """What the prepared folder is made from (a rerun with another recipe is refused unless overwrite)."""
+    if isinstance(dataset, str):
+        dataset_id: Any = dataset
+    else:
+        dataset_id = f"<{type(dataset).__name__} fingerprint {getattr(dataset, '_fingerprint', '?')}>"
+    return {
+        "kind": "huggingface",
+        "dataset": dataset_id,
+        "data_files": data_files if data_files is None else _jsonable(data_files),
+        "text_column": text_column,
+        "test_size": test_size,
+        "seed": seed,
+        "tokenizer": str(tok.name),
+        "vocab_size": int(tok.vocab_size),
+    }
+
+
+def _load(datasets: Any, dataset: str, data_files: Any, cache_dir: Any, nproc: int, load_kwargs: dict | None) -> Any:
+    """``datasets.load_dataset(dataset, ...)`` with the data files, cache folder and processes asked for."""
+    kwargs = dict(load_kwargs or {})
+    if data_files is not None:
+        kwargs["data_files"] = data_files
+    if cache_dir is not None:
+        kwargs["cache_dir"] = str(cache_dir)
+    if nproc > 1:
+        kwargs["num_proc"] = nproc
+    return datasets.load_dataset(dataset, **kwargs)
+
+
+def _split(full: Any, text_column: str, test_size: float, seed: int) -> dict:
+    """nanoGPT's split of the documents: {"train": ..., "val": ...} (its 'test' renamed 'val')."""
+    if text_column not in full.column_names:
+        raise ValueError(f"dataset has columns {full.column_names}; no {text_column!r} column")
+    if len(full) < 2:
+        raise ValueError(f"need at least 2 documents to split, got {len(full)}")
+    parts = full.train_test_split(test_size=test_size, seed=seed, shuffle=True)
+    return {"train": parts["train"], "val": parts["test"]}
+
+
+def _tokenize(datasets: Any, splits: dict, tok: Tokenizer, text_column: str, nproc: int) -> dict:
+    """Each split's documents as token ids (the tokenizer's document separator, if any, after each)."""
+    encode = _EncodeBatch(tok, text_column, doc_separator_of(tok))
+    features = _id_features(datasets, tok.vocab_size)
+    tokenized = {}
+    for name, part in splits.items():
+        tokenized[name] = part.map(
+            encode,
+            batched=True,
+            remove_columns=part.column_names,
+            features=features,
+            num_proc=nproc if nproc > 1 and len(part) > 1 else None,
+            desc=f"tokenizing {name}",
+        )
+    return tokenized
 
 
 def _write_split(writer, split: str, data: Any, num_shards: int, progress: bool) -> None:

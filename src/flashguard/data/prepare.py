@@ -79,48 +79,10 @@ def prepare_documents(
         tokenizer=str(tok.name), vocab_size=int(tok.vocab_size), val_fraction=float(val_fraction)
     )
     check_existing(out, full_recipe, overwrite)
-    sep = doc_separator_of(tok)
-    tail = [] if sep is None else [sep]
-
-    lengths: dict[str, list[int]] = {"train": [], "val": []}
-
-    def put(split: str, ids: list[int], where: str) -> None:
-        writer.write(split, ids, where=where)
-        lengths[split].append(len(ids) - len(tail))
-
     with dataset_transaction(out, tok.vocab_size) as writer, tqdm(
         total=total_bytes, unit="B", unit_scale=True, desc=desc, disable=not progress
     ) as bar:
-        pending = None  # the latest train document, held back for the empty-val fallback
-        index = -1
-        group, last_group = -1, object()
-        done = 0
-        for index, doc in enumerate(documents):
-            ids = list(tok.encode(doc.text))
-            check_separator_absent(ids, sep, doc.name, str(tok.name))
-            ids.extend(tail)
-            if group_of is None:
-                group = index
-            elif (key := group_of(doc)) != last_group:
-                group, last_group = group + 1, key
-            if splitter.is_val(group):
-                put("val", ids, f" in {doc.name}")
-            else:
-                if pending is not None:
-                    put("train", *pending)
-                pending = (ids, f" in {doc.name}")
-            now = stats.bytes if stats is not None else done + len(doc.text.encode("utf-8"))
-            bar.update(now - done)
-            done = now
-        n_docs = index + 1
-        if n_docs < 2:
-            raise ValueError(
-                f"need at least 2 non-empty documents to make a train and a val split, got {n_docs}"
-            )
-        if writer.documents["val"] == 0:
-            put("val", *pending)
-        else:
-            put("train", *pending)
+        lengths = _write_documents(writer, documents, tok, splitter, group_of, stats, bar)
 
     src = dict(source or {})
     if stats is not None:
@@ -136,6 +98,59 @@ def prepare_documents(
     )
     meta["document_tokens"] = {split: length_summary(lengths[split]) for split in lengths}
     return write_meta(out, meta)
+
+
+def _write_documents(
+    writer,
+    documents: Iterable[Document],
+    tok: Tokenizer,
+    splitter: ValSplitter,
+    group_of: Callable[[Document], str] | None,
+    stats: SourceStats | None,
+    bar,
+) -> dict[str, list[int]]:
+    """Tokenize each document, separator appended, into the split ``splitter`` gives its group; the
+    latest train document is held back so that an empty val split can take it. Returns each
+    split's document lengths in tokens (without the separator)."""
+    sep = doc_separator_of(tok)
+    tail = [] if sep is None else [sep]
+    lengths: dict[str, list[int]] = {"train": [], "val": []}
+
+    def put(split: str, ids: list[int], where: str) -> None:
+        writer.write(split, ids, where=where)
+        lengths[split].append(len(ids) - len(tail))
+
+    pending = None  # the latest train document, held back for the empty-val fallback
+    index = -1
+    group, last_group = -1, object()
+    done = 0
+    for index, doc in enumerate(documents):
+        ids = list(tok.encode(doc.text))
+        check_separator_absent(ids, sep, doc.name, str(tok.name))
+        ids.extend(tail)
+        if group_of is None:
+            group = index
+        elif (key := group_of(doc)) != last_group:
+            group, last_group = group + 1, key
+        if splitter.is_val(group):
+            put("val", ids, f" in {doc.name}")
+        else:
+            if pending is not None:
+                put("train", *pending)
+            pending = (ids, f" in {doc.name}")
+        now = stats.bytes if stats is not None else done + len(doc.text.encode("utf-8"))
+        bar.update(now - done)
+        done = now
+    n_docs = index + 1
+    if n_docs < 2:
+        raise ValueError(
+            f"need at least 2 non-empty documents to make a train and a val split, got {n_docs}"
+        )
+    if writer.documents["val"] == 0:
+        put("val", *pending)
+    else:
+        put("train", *pending)
+    return lengths
 
 
 def _embedded_total_bytes(include_tests: bool, include_pydoc: bool, max_bytes: int | None) -> int:

@@ -36,6 +36,21 @@ def _scored(d: dict, runs: int) -> str:
 
 
 def early_warning_markdown(res: dict) -> str:
+    L = _intro(res)
+    L += _defaults_section(res)
+    L += _calibrated_section(res)
+    L += _monitor_section(res)
+    L += _signals_section(res)
+    L += _runs_section(res)
+    if res["skipped"]:
+        L += ["", "## Skipped", ""] + [f"* {s['path']}: {s['why']}" for s in res["skipped"]]
+    if res.get("figures"):
+        L += [""] + [f"![{f}]({f})" for f in res["figures"]]
+    return "\n".join(L) + "\n"
+
+
+def _intro(res: dict) -> list[str]:
+    """The title, what was counted and how, and the detectors."""
     c = res["counts"]
     seeds = ", ".join(f"seed {s}: {v['divergent']} divergent / {v['stable']} stable / {v.get('other', 0)} other"
                       for s, v in c["by_seed"].items())
@@ -55,90 +70,116 @@ def early_warning_markdown(res: dict) -> str:
          "## Detectors", ""]
     L += [f"* **{d['name']}** (default {d['default']:g}): {d['about']}.{_scored(d, c['runs'])}"
           for d in res["detectors"]]
-    L += ["", "## At the default thresholds, all runs", "",
-          "| detector | threshold | hits / divergent | misses | lead time | false alarms / stable | alarms / other |",
-          "|---|---|---|---|---|---|---|"]
+    return L
+
+
+def _defaults_section(res: dict) -> list[str]:
+    """Each detector at its default threshold, over all runs."""
+    L = ["", "## At the default thresholds, all runs", "",
+         "| detector | threshold | hits / divergent | misses | lead time | false alarms / stable | alarms / other |",
+         "|---|---|---|---|---|---|---|"]
     for d in res["detectors"]:
         m = res["default"][d["name"]]
         other = f"{m.get('other_alarms', 0)}/{m.get('other', 0)}"
         L.append(f"| {d['name']} | {d['default']:g} | {_hits(m)} | {m['misses']} | {_lead(m)} | {_fa(m)} | {other} |")
+    return L
+
+
+def _calibrated_section(res: dict) -> list[str]:
+    """Each detector calibrated on one half of the seeds and measured on the other, both ways."""
     sp = res["split"]
-    L += ["", "## Calibrated on one half of the seeds, measured on the other", "",
-          f"Split: {sp['rule']}; calibration seeds {sp['calibration_seeds'] or '-'}, held-out seeds "
-          f"{sp['held_out_seeds'] or '-'}. Rule, fixed before looking: the smallest threshold of the grid whose "
-          f"false-alarm rate on the calibration half's stable runs is <= {res['false_alarm_target']:.0%}; "
-          "the divergent runs take no part in the choice.", "",
-          "| detector | fold | calibrated threshold (default) | held out: hits / divergent | misses | lead time | "
-          "false alarms / stable |", "|---|---|---|---|---|---|---|"]
+    L = ["", "## Calibrated on one half of the seeds, measured on the other", "",
+         f"Split: {sp['rule']}; calibration seeds {sp['calibration_seeds'] or '-'}, held-out seeds "
+         f"{sp['held_out_seeds'] or '-'}. Rule, fixed before looking: the smallest threshold of the grid whose "
+         f"false-alarm rate on the calibration half's stable runs is <= {res['false_alarm_target']:.0%}; "
+         "the divergent runs take no part in the choice.", "",
+         "| detector | fold | calibrated threshold (default) | held out: hits / divergent | misses | lead time | "
+         "false alarms / stable |", "|---|---|---|---|---|---|---|"]
     for d in res["detectors"]:
         for fold, key in (("odd -> even", "calibrated"), ("even -> odd", "calibrated_reverse")):
-            e = res[key][d["name"]]
-            cal = e["calibration"]
-            if e["threshold"] is None:
-                L.append(f"| {d['name']} | {fold} | none (no stable runs to calibrate on) | - | - | - | - |")
-                continue
-            chosen = f"{e['threshold']:g} ({d['default']:g})"
-            if not e["met_target"]:
-                chosen += (f"; **target not met**: false alarms {e['calibration_false_alarm_rate']:.0%} of "
-                           f"{cal['stable']} calibration stable runs at best (alarmed even at the largest threshold: "
-                           f"{', '.join(cal['alarmed_at_max']) or '-'})")
-            m = e["held_out"]
-            if m is None:
-                L.append(f"| {d['name']} | {fold} | {chosen} | no held-out runs | - | - | - |")
-                continue
-            L.append(f"| {d['name']} | {fold} | {chosen} | {_hits(m)} | {m['misses']} | {_lead(m)} | {_fa(m)} |")
-    if res["monitor_calibration"]:
-        L += ["", "## The monitor's thresholds as calibration would set them", "",
-              "The monitor's defaults are unchanged here; these are the values its calibrated scale k stands for "
-              "(growth and logit thresholds x k, ratio thresholds ^ k).", ""]
-        for name, e in res["monitor_calibration"].items():
-            fields = list(e["defaults"])
-            L += [f"**{name}**", "", "| threshold | default | " + " | ".join(
-                f"{fold} (k = {_f(e[fold]['scale'])}{'' if e[fold]['met_target'] else ', target not met'})"
-                for fold in ("odd->even", "even->odd")) + " |",
-                "|---|---|---|---|"]
-            for f in fields:
-                cells = [_f(None if e[fold]["thresholds"] is None else e[fold]["thresholds"][f], "{:.3g}")
-                         for fold in ("odd->even", "even->odd")]
-                L.append(f"| {f} | {e['defaults'][f]:.3g} | " + " | ".join(cells) + " |")
-            L.append("")
+            L.append(_calibrated_row(d, fold, res[key][d["name"]]))
+    return L
+
+
+def _calibrated_row(d: dict, fold: str, e: dict) -> str:
+    if e["threshold"] is None:
+        return f"| {d['name']} | {fold} | none (no stable runs to calibrate on) | - | - | - | - |"
+    cal = e["calibration"]
+    chosen = f"{e['threshold']:g} ({d['default']:g})"
+    if not e["met_target"]:
+        chosen += (f"; **target not met**: false alarms {e['calibration_false_alarm_rate']:.0%} of "
+                   f"{cal['stable']} calibration stable runs at best (alarmed even at the largest threshold: "
+                   f"{', '.join(cal['alarmed_at_max']) or '-'})")
+    m = e["held_out"]
+    if m is None:
+        return f"| {d['name']} | {fold} | {chosen} | no held-out runs | - | - | - |"
+    return f"| {d['name']} | {fold} | {chosen} | {_hits(m)} | {m['misses']} | {_lead(m)} | {_fa(m)} |"
+
+
+def _monitor_section(res: dict) -> list[str]:
+    """The monitor's thresholds as the calibration would set them (none when not calibrated)."""
+    if not res["monitor_calibration"]:
+        return []
+    L = ["", "## The monitor's thresholds as calibration would set them", "",
+         "The monitor's defaults are unchanged here; these are the values its calibrated scale k stands for "
+         "(growth and logit thresholds x k, ratio thresholds ^ k).", ""]
+    folds = ("odd->even", "even->odd")
+    for name, e in res["monitor_calibration"].items():
+        L += [f"**{name}**", "", "| threshold | default | " + " | ".join(
+            f"{fold} (k = {_f(e[fold]['scale'])}{'' if e[fold]['met_target'] else ', target not met'})"
+            for fold in folds) + " |",
+            "|---|---|---|---|"]
+        for f in e["defaults"]:
+            cells = [_f(None if e[fold]["thresholds"] is None else e[fold]["thresholds"][f], "{:.3g}") for fold in folds]
+            L.append(f"| {f} | {e['defaults'][f]:.3g} | " + " | ".join(cells) + " |")
+        L.append("")
+    return L
+
+
+def _signals_section(res: dict) -> list[str]:
+    """Which signal leaves the stable runs' range first: per signal, then per divergent run."""
     sig, p90 = res["signals"], res.get("signals_p90")
-    L += ["", "## Which signal leads", "",
-          f"On each of the {sig['divergent']} divergent runs: the probe step at which each signal first leaves the "
-          "stable runs' range (above the maximum over the stable runs of the same seed at that step, at two "
-          "probe steps in a row), as lead = divergence step - that step. \"led\": runs in which the signal left "
-          "first (ties count for each). Beside it the same with the 90th percentile of those stable runs as the "
-          "range's top (one far-out stable run cannot hide a signal).", "",
-          "| signal | left the range in (runs) | led in (runs) | median lead | p90 band: left / led / median lead |",
-          "|---|---|---|---|---|"]
+    L = ["", "## Which signal leads", "",
+         f"On each of the {sig['divergent']} divergent runs: the probe step at which each signal first leaves the "
+         "stable runs' range (above the maximum over the stable runs of the same seed at that step, at two "
+         "probe steps in a row), as lead = divergence step - that step. \"led\": runs in which the signal left "
+         "first (ties count for each). Beside it the same with the 90th percentile of those stable runs as the "
+         "range's top (one far-out stable run cannot hide a signal).", "",
+         "| signal | left the range in (runs) | led in (runs) | median lead | p90 band: left / led / median lead |",
+         "|---|---|---|---|---|"]
     for name, s in sorted(sig["signals"].items(), key=lambda kv: (-kv[1]["led"], -kv[1]["left"], kv[0])):
         q = (p90 or {}).get("signals", {}).get(name)
         alt = "-" if q is None else f"{q['left']} / {q['led']} / {_f(q['median_lead'])}"
         L.append(f"| {name} | {s['left']}/{sig['divergent']} | {s['led']} | {_f(s['median_lead'])} | {alt} |")
-    if sig["runs"]:
-        names = sorted(sig["signals"])
-        L += ["", "| run | diverged at | " + " | ".join(names) + " | leader (ahead of the next by) |",
-              "|---|---|" + "---|" * len(names) + "---|"]
-        for row in sig["runs"]:
-            lead = ", ".join(row["leader"]) or "-"
-            if row["margin"] is not None:
-                lead += f" ({row['margin']} steps, then {row['next']})"
-            L.append(f"| {row['run']} | {row['divergence_step']} | "
-                     + " | ".join(_f(row["leads"].get(n)) for n in names) + f" | {lead} |")
-    L += ["", "## Runs (first alarm step at the default thresholds)", "",
-          "| run | seed | divergence | final loss | peak max logit | " + " | ".join(d["name"] for d in res["detectors"])
-          + " |", "|---|---|---|---|---|" + "---|" * len(res["detectors"])]
+    if not sig["runs"]:
+        return L
+    names = sorted(sig["signals"])
+    L += ["", "| run | diverged at | " + " | ".join(names) + " | leader (ahead of the next by) |",
+          "|---|---|" + "---|" * len(names) + "---|"]
+    for row in sig["runs"]:
+        lead = ", ".join(row["leader"]) or "-"
+        if row["margin"] is not None:
+            lead += f" ({row['margin']} steps, then {row['next']})"
+        L.append(f"| {row['run']} | {row['divergence_step']} | "
+                 + " | ".join(_f(row["leads"].get(n)) for n in names) + f" | {lead} |")
+    return L
+
+
+_OUTCOME = {"hit": "{alarm_step} (lead {lead})", "miss": "miss", "false_alarm": "{alarm_step} (false alarm)",
+            "quiet": "-"}
+
+
+def _runs_section(res: dict) -> list[str]:
+    """Each run: its divergence, final loss, peak logit and each detector's first alarm."""
+    L = ["", "## Runs (first alarm step at the default thresholds)", "",
+         "| run | seed | divergence | final loss | peak max logit | " + " | ".join(d["name"] for d in res["detectors"])
+         + " |", "|---|---|---|---|---|" + "---|" * len(res["detectors"])]
     for r in res["runs"]:
         cells = []
         for d in res["detectors"]:
             o = res["default"][d["name"]]["runs"][r["id"]]
-            cells.append({"hit": f"{o['alarm_step']} (lead {o['lead']})", "miss": "miss",
-                          "false_alarm": f"{o['alarm_step']} (false alarm)", "quiet": "-"}[o["kind"]])
+            cells.append(_OUTCOME[o["kind"]].format(alarm_step=o.get("alarm_step"), lead=o.get("lead")))
         div = f"step {r['divergence_step']}" if r["diverged"] else "stable"
         L.append(f"| {r['id']} | {r['seed']} | {div} | {_f(r.get('final_loss'), '{:.3g}')} | "
                  f"{_f(r.get('peak_max_logit'), '{:.3g}')} | " + " | ".join(cells) + " |")
-    if res["skipped"]:
-        L += ["", "## Skipped", ""] + [f"* {s['path']}: {s['why']}" for s in res["skipped"]]
-    if res.get("figures"):
-        L += [""] + [f"![{f}]({f})" for f in res["figures"]]
-    return "\n".join(L) + "\n"
+    return L

@@ -170,6 +170,19 @@ def _conditions(quick: bool, seed: int, n: int) -> dict[str, list[Problem]]:
     return {"ties": ties, "others": others, "no_ties": no_ties}
 
 
+class _Cells:
+    """The lab's measurements in the order they are made: each cell measured on the shared bench
+    and appended to ``rows`` under its experiment's name."""
+
+    def __init__(self):
+        self.bench, self.rows = Bench(), []
+
+    def __call__(self, p: Problem, a, experiment: str) -> Measurement:
+        m = self.bench.measure(p, a)
+        self.rows.append({"experiment": experiment, **m.to_dict()})
+        return m
+
+
 def run_lab(quick: bool = False, precision: str = "paper", seed: int = 0, progress=None,
             n_rows: int | None = None, captured=None) -> dict:
     """Run every experiment; ``precision`` is the arithmetic the study's facts (i)-(iii) are tested in;
@@ -179,43 +192,63 @@ def run_lab(quick: bool = False, precision: str = "paper", seed: int = 0, progre
     if n < 32:
         raise ValueError(f"run_lab: n_rows must be >= 32, got {n}")
     t0 = time.perf_counter()
-    bench = Bench()
+    cell = _Cells()
     say = progress or (lambda msg: None)
-    rows: list[dict] = []
-
-    def cell(p: Problem, a, experiment: str) -> Measurement:
-        m = bench.measure(p, a)
-        rows.append({"experiment": experiment, **m.to_dict()})
-        return m
-
     conds = _conditions(quick, seed, n)
-    tied = conds["ties"]  # V leans negative in every one of these
     verdicts, details = {}, {}
-
-    # (i) tied maxima + mostly negative V: O leans negative beyond the floor, delta positive
     say("(i) tie bias")
+    verdicts["i_tie_bias"], details["i_tie_bias"] = _fact_i_tie_bias(cell, precision, conds)
+    say("(ii) no ties")
+    verdicts["ii_no_ties_no_bias"], details["ii_no_ties_no_bias"] = _fact_ii_no_ties(cell, precision, conds)
+    say("(iii) the study's fix")
+    for key, (verdict, notes) in _fact_iii_study_fix(cell, precision, conds).items():
+        verdicts[key], details[key] = verdict, notes
+    verdicts["iv_worked_example"], details["iv_worked_example"] = _fact_iv_worked_example(precision)
+    say("arithmetics and fixes")
+    answers = _answers(cell, conds, say)
+    say("decomposition")
+    _decomposition(cell, conds)
+    say("PR #2721")
+    _pr2721(cell, n, seed)
+    out_captured = None
+    if captured:
+        from .captured import run_captured
+        say("captured problems")
+        out_captured = run_captured(captured, FORMAT_POLICIES, bench=cell.bench, progress=say)
+
+    return {"quick": quick, "policy": precision, "seed": seed, "n_rows": n, "captured": out_captured, "runtime_s": time.perf_counter() - t0,
+            "versions": {"torch": torch.__version__}, "unit_note": "one value per independent row "
+            "(per instance for sink problems); leans judged against the fp32 floor, paired",
+            "rows": cell.rows, "verdicts": verdicts, "details": details, "answers": answers}
+
+
+def _fact_i_tie_bias(cell: _Cells, precision: str, conds: dict) -> tuple[str, list[str]]:
+    """(i) tied maxima + mostly negative V (every tied condition): O leans negative beyond the floor, delta positive."""
     flags, notes = {}, []
-    for c in tied:
+    for c in conds["ties"]:
         m = cell(c, Arithmetic.of(precision), "i")
         flags[c.label()] = (m.o_leans and m.o_vs_floor.mean < 0) and (m.delta_leans and m.delta_vs_floor.mean > 0)
         notes.append(f"{c.label()}: O {_o(m)}, delta {_delta(m)}"
                      f" [tail {m.tail_half_ulps:.2f} half-ulps]")
-    verdicts["i_tie_bias"], details["i_tie_bias"] = verdict_over(flags), notes
+    return verdict_over(flags), notes
 
-    # (ii) without ties there is no lean
-    say("(ii) no ties")
+
+def _fact_ii_no_ties(cell: _Cells, precision: str, conds: dict) -> tuple[str, list[str]]:
+    """(ii) without ties there is no lean."""
     flags, notes = {}, []
     for c in conds["no_ties"]:
         m = cell(c, Arithmetic.of(precision), "ii")
         flags[c.label()] = not _leans(m)
         notes.append(f"{c.label()}: O {_o(m)}, delta {_delta(m)}")
-    verdicts["ii_no_ties_no_bias"], details["ii_no_ties_no_bias"] = verdict_over(flags), notes
+    return verdict_over(flags), notes
 
-    # (iii) the study's fix removes the lean where there is one (beta = 2 and 7)
-    say("(iii) the study's fix")
+
+def _fact_iii_study_fix(cell: _Cells, precision: str, conds: dict) -> dict[str, tuple[str, list[str]]]:
+    """(iii) the study's fix removes the lean where there is one (beta = 2 and 7): key -> (verdict, notes)."""
+    out = {}
     for stab, key in (("paper", "iii_paper_fix_beta2"), ("paper:beta=7", "iii_paper_fix_beta7")):
         flags, notes = {}, []
-        for c in tied + conds["others"]:
+        for c in conds["ties"] + conds["others"]:
             plain = cell(c, Arithmetic.of(precision), "iii")
             fixed = cell(c, Arithmetic.of(precision, stab), "iii")
             if _leans(plain):
@@ -223,50 +256,58 @@ def run_lab(quick: bool = False, precision: str = "paper", seed: int = 0, progre
                 notes.append(f"{c.label()}: none O {_o(plain)} -> {fixed.stabilizer} O {_o(fixed)}, "
                              f"delta {_delta(fixed)}"
                              + (f", {fixed.bad_rows} bad rows" if fixed.bad_rows else ""))
-        verdicts[key] = verdict_over(flags)
-        details[key] = notes or ["no condition leans without the fix: nothing to remove"]
+        out[key] = (verdict_over(flags), notes or ["no condition leans without the fix: nothing to remove"])
+    return out
 
-    # (iv) the worked example, in the format the policy stores the PV sum in
+
+def _fact_iv_worked_example(precision: str) -> tuple[str, list[str]]:
+    """(iv) the worked example, in the format the policy stores the PV sum in."""
     fmt = get_policy(precision).pv
     x = torch.tensor([-4.703990459442139], dtype=torch.float64)
     r = round_to(x, fmt).item()
-    verdicts["iv_worked_example"] = "held" if r == -4.71875 else "not held"
-    details["iv_worked_example"] = [f"-4.703990459442139 rounds to {r!r} in {fmt} (study: -4.71875 in bf16; "
-                                    f"error {r - x.item():+.6f})"]
+    return ("held" if r == -4.71875 else "not held",
+            [f"-4.703990459442139 rounds to {r!r} in {fmt} (study: -4.71875 in bf16; error {r - x.item():+.6f})"])
 
-    # every shipped arithmetic: is it biased under ties, and what removes it
-    say("arithmetics and fixes")
+
+def _answers(cell: _Cells, conds: dict, say) -> dict:
+    """Every shipped arithmetic: is it biased under ties, and what removes it."""
     answers = {}
-    all_conds = tied + conds["others"] + conds["no_ties"]
+    leaning = conds["ties"] + conds["others"]
+    all_conds = leaning + conds["no_ties"]
     for pol in FORMAT_POLICIES:
         say(f"  {pol}")
         plain, removed_by, failures = judge_candidates(pol, all_conds, lambda c, a: cell(c, a, "fixes"))
-        biased = [c.label() for c in tied + conds["others"] if _leans(plain[c])]
+        biased = [c.label() for c in leaning if _leans(plain[c])]
         if biased:
-            line = (f"biased under ties: yes ({len(biased)} of {len(tied) + len(conds['others'])} conditions); "
+            line = (f"biased under ties: yes ({len(biased)} of {len(leaning)} conditions); "
                     f"removed by: {', '.join(removed_by) if removed_by else 'nothing the lab tried'}")
         else:
             line = ("biased under ties: no; nothing to fix (no stabilizer needed); harmless candidates: "
                     + (", ".join(removed_by) if removed_by else "none"))
         answers[pol] = {"line": line, "biased_conditions": biased, "removed_by": removed_by, "failures": failures}
         if biased and not removed_by:
-            # nothing removes it at the output format: judge the arithmetic's own error before O's one
-            # rounding (output fp32, floor likewise), to tell a lean of the arithmetic from one of the
-            # output rounding of a perturbed O (e.g. O near the binade edges of a coarse V grid)
             say(f"  {pol}, O unrounded")
-            plain_u, removed_u, failures_u = judge_candidates(unrounded_output(pol), all_conds,
-                                                              lambda c, a: cell(c, a, "fixes-unrounded"))
-            biased_u = [c.label() for c in tied + conds["others"] if _leans(plain_u[c])]
-            answers[pol]["unrounded"] = {"biased_conditions": biased_u, "removed_by": removed_u,
-                                         "failures": failures_u}
-            answers[pol]["line"] += (f"; before O's one rounding to {get_policy(pol).output}: biased "
-                                     + (f"yes ({len(biased_u)} of {len(tied) + len(conds['others'])}), removed by: "
-                                        f"{', '.join(removed_u) if removed_u else 'nothing the lab tried'}"
-                                        if biased_u else "no"))
+            _answer_unrounded(cell, pol, answers[pol], leaning, all_conds)
+    return answers
 
-    # where the bias enters: raise one component at a time to fp32
-    say("decomposition")
-    decomp_conds = [c for c in tied if c.ties in (2, 8)][:4]
+
+def _answer_unrounded(cell: _Cells, pol: str, answer: dict, leaning: list, all_conds: list) -> None:
+    """Nothing removes ``pol``'s lean at the output format: judge the arithmetic's own error before
+    O's one rounding (output fp32, floor likewise), to tell a lean of the arithmetic from one of the
+    output rounding of a perturbed O (e.g. O near the binade edges of a coarse V grid)."""
+    plain_u, removed_u, failures_u = judge_candidates(unrounded_output(pol), all_conds,
+                                                      lambda c, a: cell(c, a, "fixes-unrounded"))
+    biased_u = [c.label() for c in leaning if _leans(plain_u[c])]
+    answer["unrounded"] = {"biased_conditions": biased_u, "removed_by": removed_u, "failures": failures_u}
+    answer["line"] += (f"; before O's one rounding to {get_policy(pol).output}: biased "
+                       + (f"yes ({len(biased_u)} of {len(leaning)}), removed by: "
+                          f"{', '.join(removed_u) if removed_u else 'nothing the lab tried'}"
+                          if biased_u else "no"))
+
+
+def _decomposition(cell: _Cells, conds: dict) -> None:
+    """Where the bias enters: one component at a time raised to fp32 (DECOMPOSITION), in paper and fa2-e4m3."""
+    decomp_conds = [c for c in conds["ties"] if c.ties in (2, 8)][:4]
     for pol in ("paper", "fa2-e4m3"):
         for c in decomp_conds:
             cell(c, Arithmetic.of(pol), "decomposition")
@@ -276,20 +317,10 @@ def run_lab(quick: bool = False, precision: str = "paper", seed: int = 0, progre
                     continue  # already so in this arithmetic
                 cell(c, Arithmetic.of(base.replace(**changes)), "decomposition")
 
-    # FlashAttention PR #2721: l from the unrounded Pbar vs from the rounded one
-    say("PR #2721")
+
+def _pr2721(cell: _Cells, n: int, seed: int) -> None:
+    """FlashAttention PR #2721: the row sum l from the unrounded Pbar vs from the rounded one."""
     base = Problem(n_rows=n, seed=seed)
     for c in (replace(base, ties=1, tail=4.0, v_mean=1.0, v_sd=0.0, do_mean=0.5), replace(base, ties=1, tail=4.0)):
         for pol in ("fa2", "fa2[row_sum_rounded=true]", "fa2-e4m3", "fa2-e4m3[row_sum_rounded=true]"):
             cell(c, Arithmetic.of(pol), "pr2721")
-
-    out_captured = None
-    if captured:
-        from .captured import run_captured
-        say("captured problems")
-        out_captured = run_captured(captured, FORMAT_POLICIES, bench=bench, progress=say)
-
-    return {"quick": quick, "policy": precision, "seed": seed, "n_rows": n, "captured": out_captured, "runtime_s": time.perf_counter() - t0,
-            "versions": {"torch": torch.__version__}, "unit_note": "one value per independent row "
-            "(per instance for sink problems); leans judged against the fp32 floor, paired",
-            "rows": rows, "verdicts": verdicts, "details": details, "answers": answers}
