@@ -47,3 +47,21 @@ def test_tied_and_untied_means_partition_the_rows():
     none = delta_split_metrics(t, torch.zeros_like(tied), 1)
     assert none[keys.TIED_ROW_FRAC.key(1)] == 0 and keys.DELTA_OWN_TIED.key(1) not in none  # no rows: no value
     assert all(keys.metric(k) is not None for k in m)  # in the schema
+
+
+def test_split_across_probes_adds_up_z_and_means():
+    from flashguard.diagnostics.across_probes import split_across_probes
+    recs = []
+    for step, (zo, zw) in enumerate([(2.0, 0.5), (2.0, -0.5), (2.0, 0.0), (2.0, 0.0)]):
+        r = {keys.STEP: step * 50, keys.DELTA_FROM_O_Z.key(0): zo, keys.DELTA_OWN_Z.key(0): zw,
+             keys.DELTA_FROM_O_MEAN.key(0): 1e-6, keys.DELTA_OWN_MEAN.key(0): -2e-6, keys.TIED_ROW_FRAC.key(0): 0.1,
+             keys.DELTA_OWN_TIED.key(0): 3e-6}
+        if step % 2 == 0:
+            r[keys.DELTA_FROM_O_TIED.key(0)] = 4e-6
+        recs.append(r)
+    s = split_across_probes(recs)[0]
+    assert s["from_o"]["stouffer_z"] == 4.0 and s["from_o"]["significant"] and s["from_o"]["positive"] == 4
+    assert s["own"]["stouffer_z"] == 0.0 and not s["own"]["significant"]
+    assert s["from_o"]["tied"] == 4e-6 and s["from_o"]["untied"] is None and s["own"]["mean"] == -2e-6
+    assert s["tied_row_frac"] == 0.1
+    assert split_across_probes(recs, since=200) == {}

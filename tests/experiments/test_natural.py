@@ -241,7 +241,11 @@ def test_smoke_run_trains_every_arm_resumable_then_analyses_them(tiny_data, tmp_
     for o in saved["outcomes"]:   # every arm probed: delta and O across probes on both micro layers
         assert [r["layer"] for r in o["delta"]] == [0, 1] and [r["layer"] for r in o["O"]] == [0, 1]
         assert o["delta"][0]["probes"] == 6 and o["census"].startswith("preconditions census at step 10")
+        # where delta's error is born: both parts on both layers for the arms with a bf16 delta
+        split = {r["layer"]: r for r in o["delta_split"]}
+        assert sorted(split) == [0, 1] and split[0]["own"]["probes"] == 6 and "from_o" in split[0]
     assert [c["id"] for c in saved["claims"]] == ["N1", "N2", "N3", "N4", "N5"]
+    assert "Where delta's error is born" in (out / "natural.md").read_text()
     assert [c["verdict"] for c in saved["claims"]] == [c["verdict"] for c in result["claims"]]
     assert all(b["first_mismatch"] is None and b["compared"] == 12 for b in saved["matching"]["batches"].values())
     batches = [JsonlLog.read(out / "runs" / a / "batches.jsonl") for a in ARMS]

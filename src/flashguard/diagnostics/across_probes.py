@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from .. import keys
 from ..attention.error_stats import BIAS_RATIO_MIN, Z_CRIT
 
-__all__ = ["ProbeSeries", "lean_across_probes", "format_across_probes", "ACROSS_PROBES_UNIT"]
+__all__ = ["ProbeSeries", "lean_across_probes", "format_across_probes", "ACROSS_PROBES_UNIT", "split_across_probes"]
 
 ACROSS_PROBES_UNIT = ("one z per probe (each over the probe's (sequence, head) units); probes see different "
                       "batches, independent N(0, 1) draws where there is no lean")
@@ -96,3 +96,51 @@ def format_across_probes(series: dict[int, ProbeSeries]) -> str:
                      f"(steps {s.steps[0]}-{s.steps[-1]}), Stouffer z {s.stouffer_z:+.1f}, mean ratio {ratio}: "
                      f"{s.verdict}")
     return "\n".join(lines)
+
+
+# delta's error split where it is born (probes.delta_split_metrics): per part, its z and its mean
+# over all, tied and untied rows
+_SPLIT = {"from_o": (keys.DELTA_FROM_O_Z, keys.DELTA_FROM_O_MEAN, keys.DELTA_FROM_O_TIED, keys.DELTA_FROM_O_UNTIED),
+          "own": (keys.DELTA_OWN_Z, keys.DELTA_OWN_MEAN, keys.DELTA_OWN_TIED, keys.DELTA_OWN_UNTIED)}
+
+
+def split_across_probes(records: list[dict], *, since: int = 0) -> dict[int, dict]:
+    """Per layer, delta's error split into the part O's error carries (``from_o``) and the part
+    delta's own product and sum add (``own``), read across the probes as ``lean_across_probes``
+    reads the whole: for each part Stouffer's z over the probes' z (|z| >= Z_CRIT: significant),
+    the probes with z > 0, and the mean over probes of its mean over all rows, over tied rows
+    (several Pbar == 1 in a tile) and over the others; and the mean share of tied rows. A probe
+    without tied rows adds nothing to the tied mean (and likewise untied)."""
+    acc: dict[int, dict] = {}
+    for r in records:
+        step = r.get(keys.STEP)
+        if not isinstance(step, int) or step < since:
+            continue
+        for part, (z_m, mean_m, tied_m, untied_m) in _SPLIT.items():
+            for k, v in r.items():
+                where = z_m.parse(k)
+                if where is None or not _finite(v):
+                    continue
+                layer = where[0]
+                a = acc.setdefault(layer, {}).setdefault(part, {"z": [], "mean": [], "tied": [], "untied": []})
+                a["z"].append(float(v))
+                for name, m in (("mean", mean_m), ("tied", tied_m), ("untied", untied_m)):
+                    x = r.get(m.key(layer))
+                    if _finite(x):
+                        a[name].append(float(x))
+                if part == "own" and _finite(r.get(keys.TIED_ROW_FRAC.key(layer))):
+                    acc[layer].setdefault("tied_frac", []).append(float(r[keys.TIED_ROW_FRAC.key(layer)]))
+    out = {}
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    for layer, parts in sorted(acc.items()):
+        row = {"tied_row_frac": mean(parts.get("tied_frac", []))}
+        for part in _SPLIT:
+            a = parts.get(part)
+            if not a:
+                continue
+            sz = sum(a["z"]) / math.sqrt(len(a["z"]))
+            row[part] = {"probes": len(a["z"]), "positive": sum(z > 0 for z in a["z"]), "stouffer_z": sz,
+                         "significant": abs(sz) >= Z_CRIT, "mean": mean(a["mean"]), "tied": mean(a["tied"]),
+                         "untied": mean(a["untied"])}
+        out[layer] = row
+    return out

@@ -13,6 +13,10 @@ preset's config, every arm on the same seed and batches, differing in the attent
   units; probes see different batches) with the lab's lean rule carried over: |z| >= 3.29 and a
   mean bias ratio of that sign >= the lab's minimum gives ``leans +`` / ``leans -``, significant
   with a smaller ratio ``weak``, else ``no lean``. O's is read alike and reported, not judged.
+* where an arm's delta error is born, per layer (``split_across_probes``, reported, not judged):
+  the part O's error carries and the part delta's own product and sum add, each with its
+  Stouffer z across probes and its mean over tied rows (several Pbar == 1 in a tile) and the
+  others (probes written before this split existed have none: the table is then left out).
 * an arm that is incomplete is judged on the probes it has, and every verdict that reads it
   says so (its verdict may change as it trains on). An arm with no delta probe cannot be judged.
 
@@ -38,7 +42,7 @@ import time
 from pathlib import Path
 
 from ... import keys
-from ...diagnostics.across_probes import lean_across_probes
+from ...diagnostics.across_probes import lean_across_probes, split_across_probes
 from ...diagnostics.census_table import census_from_records
 from ...train.config import load_config
 from ...utils.jsonl import read_jsonl
@@ -122,6 +126,7 @@ def arm_outcome(run_dir: str | Path, steps: int, *, arm: str, overrides=(), now:
            "target_steps": steps, "diverged_at": s["diverged_at"], "divergence": s["divergence"],
            "last_val": vals[-1][1] if vals else None, "last_val_step": vals[-1][0] if vals else None,
            "delta": _series(lean_across_probes(recs, "delta")), "O": _series(lean_across_probes(recs, "O")),
+           "delta_split": [{"layer": layer, **row} for layer, row in split_across_probes(recs).items()],
            "census": census.summary() if census is not None else None, "config": run_config(run_dir),
            "metrics_age_s": age}
     out["state"] = _state(out)

@@ -218,6 +218,31 @@ def natural_markdown(result: dict) -> str:
                 lines.append(f"| {o['arm']} | {what} | L{r['layer']} | {r['probes']} ({r['first_step']}-"
                              f"{r['last_step']}) | {r['positive']} | {r['stouffer_z']:+.2f} | "
                              f"{_f(r['mean_ratio'], '+.4f')} | {r['verdict']} |")
+    lines += _split_lines(outcomes)
     lines += ["", "Rules: " + result["definitions"]]
     lines += markdown_footer(result)
     return "\n".join(lines) + "\n"
+
+
+def _split_lines(outcomes) -> list[str]:
+    """The table of where delta's error is born (analysis: split_across_probes), for the arms
+    whose probes wrote it."""
+    rows = [(o["arm"], r) for o in outcomes for r in o.get("delta_split") or []]
+    if not rows:
+        return []
+    lines = ["", "Where delta's error is born, per layer: the part O's error carries (rowsum(dO * O_lp) in fp64 - "
+                 "delta_ref) and the part delta's own bf16 product and sum add; each part's Stouffer z across the "
+                 "probes (significant at |z| >= 3.29), and its mean over the probes of its mean over all rows, over "
+                 "rows with several Pbar == 1 in a tile (tied) and over the others:", "",
+             "| arm | layer | tied rows | part | probes (z > 0) | Stouffer z | mean | mean, tied rows | "
+             "mean, untied rows |", "|---|---|---|---|---|---|---|---|---|"]
+    for arm, r in rows:
+        for part, name in (("from_o", "from O's error"), ("own", "delta's own rounding")):
+            p = r.get(part)
+            if p is None:
+                continue
+            lines.append(f"| {arm} | L{r['layer']} | {_f(r['tied_row_frac'], '.2%')} | {name} | {p['probes']} "
+                         f"({p['positive']}) | {p['stouffer_z']:+.2f} | {_f(p['mean'], '+.3g')} | "
+                         f"{_f(p['tied'], '+.3g')} | {_f(p['untied'], '+.3g')} |")
+    return lines
+
