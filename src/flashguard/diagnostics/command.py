@@ -22,6 +22,14 @@ goes into the JSON; ``--census`` prints its table, else one summary line.
 ``--plots`` instead draws that log's probe series (``flashguard.diagnostics.plots``) as PNGs
 into RUN_DIR/diagnostics/plots/ (both flags: both).
 
+A watch folder (``flashguard.watch``'s ``log_dir``: watch.json, metrics.jsonl; the user's own
+model, which the folder does not hold) is read as what it is: ``diagnose DIR`` shows the probe
+record the watch wrote at step S (``--step``: a probe step; default the latest) in the same
+table, with the monitor's flags over the watch's records up to it and the census (``--census``:
+its table); ``--monitor`` replays the watch's every-step records (loss, gradient norm, probes)
+through the monitor with the watch's warm-up. Every output labels it a watch folder of the
+user's model, not a flashguard training run.
+
 Wiring (flashguard.cli)::
 
     add_diagnose_arguments(sub.add_parser("diagnose", help="..."))
@@ -39,14 +47,16 @@ from pathlib import Path
 
 from .. import keys
 
-__all__ = ["add_diagnose_arguments", "run_diagnose", "diagnose", "write_plots", "format_table", "layer_flags",
+__all__ = ["add_diagnose_arguments", "run_diagnose", "diagnose", "diagnose_watch", "write_plots", "format_table", "layer_flags",
            "legend", "LEGEND", "main"]
 
 
 def add_diagnose_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="a run folder made by `flashguard train`")
+    parser.add_argument("run_dir", help="a run folder made by `flashguard train`, or a watch folder of your model "
+                                        "(flashguard.watch's log_dir)")
     parser.add_argument("--step", type=int, default=None,
-                        help="checkpoint step (the state after that many steps; default: the latest)")
+                        help="checkpoint step (the state after that many steps; default: the latest); for a watch "
+                             "folder: a probe step")
     parser.add_argument("--layers", type=int, nargs="+", default=None, help="layer indices to probe (default: all)")
     parser.add_argument("--out", default=None, help="JSON output (default RUN_DIR/diagnostics/diagnose_<step>.json)")
     parser.add_argument("--data", default=None, help="data folder (default: the run's data.dir)")
@@ -244,8 +254,13 @@ def _clean(x):
 
 def diagnose(run_dir, *, step: int | None = None, layers=None, data_dir=None, sequences: int | None = None,
              precision=None, stabilizer=None, fresh: bool = False, grad: bool = True, device: str = "cpu") -> dict:
-    """Run the probes on a checkpoint of ``run_dir``; returns the result dict written by the command."""
+    """Run the probes on a checkpoint of ``run_dir``; returns the result dict written by the command.
+    A watch folder: its recorded probe at ``step`` (``diagnose_watch``)."""
     import torch
+
+    from .run_state import is_watch_folder
+    if is_watch_folder(run_dir):
+        return diagnose_watch(run_dir, step=step, layers=layers)
 
     from .capture import capture_batch, resolve_layers
     from .probes import run_probes
@@ -292,6 +307,70 @@ def diagnose(run_dir, *, step: int | None = None, layers=None, data_dir=None, se
     }
 
 
+def _probe_records(history: list[dict]) -> list[dict]:
+    return [r for r in history if isinstance(r.get(keys.STEP), int) and any(keys.is_probe_key(k) for k in r)]
+
+
+def diagnose_watch(run_dir, *, step: int | None = None, layers=None) -> dict:
+    """A watch folder's probe record at ``step`` (default the latest) as ``diagnose``'s result: the
+    probes the watch ran while the user's model trained (the folder holds no model to rerun),
+    the monitor's flags over the watch's records up to that step, the census."""
+    import torch
+
+    from ..utils.jsonl import read_metrics
+    from .census_table import census_from_records
+    from .monitor import MonitorThresholds
+    from .run_state import WATCH_LABEL, watch_meta
+
+    run_dir = Path(run_dir)
+    meta = watch_meta(run_dir) or {}
+    history = read_metrics(run_dir) if (run_dir / "metrics.jsonl").is_file() else []
+    probes = _probe_records(history)
+    if not probes:
+        raise ValueError(f"{run_dir}: {WATCH_LABEL}, with no probe record yet (it probes every "
+                         f"{meta.get('every', '?')} steps from step {meta.get('start', 0)})")
+    if step is None:
+        rec = probes[-1]
+    else:
+        rec = next((r for r in reversed(probes) if r[keys.STEP] == step), None)
+        if rec is None:
+            steps = [r[keys.STEP] for r in probes]
+            shown = ", ".join(str(s) for s in (steps if len(steps) <= 12 else steps[:5] + ["..."] + steps[-5:]))
+            raise ValueError(f"{run_dir}: {WATCH_LABEL}: no probe at step {step}; probe steps: {shown}")
+    step = rec[keys.STEP]
+    metrics = {k: v for k, v in rec.items() if keys.is_probe_key(k)}
+    found = sorted({p[1] for p in map(keys.parse, metrics) if p is not None})
+    if layers:
+        missing = [i for i in layers if i not in found]
+        if missing:
+            raise ValueError(f"{run_dir}: the watch did not probe layer(s) {missing} at step {step} "
+                             f"(probed: {', '.join(f'L{i}' for i in found)})")
+        layers = sorted(set(layers))
+    else:
+        layers = found
+    heads = [p[2] for p in map(keys.parse, metrics) if p is not None and p[2] is not None]
+    measured = meta.get("measured") or {}
+
+    def attention(i):
+        m = measured.get(f"L{i}") or {}
+        where = f"{m['kernel']}, " if m.get("kernel") else ""
+        return f"{where}measured in {m.get('precision') or meta.get('precision', '?')}"
+    flags = layer_flags(history, metrics, step, layers,
+                        MonitorThresholds.for_warmup(int(meta.get("warmup_steps") or 0)))
+    before = [r for r in probes if r[keys.STEP] < step]
+    census = census_from_records(before + [{**metrics, keys.STEP: step}], layers)
+    n_probes = {i: sum(1 for r in before if len(_layer_record(r, i)) > 1) + 1 for i in layers}
+    return {
+        "kind": "watch", "label": WATCH_LABEL, "run_dir": str(run_dir), "checkpoint": None, "step": step,
+        "batch_step": step, "sequences": meta.get("subsample_sequences"), "layers": layers,
+        "attention": {i: attention(i) for i in layers}, "loss": rec.get(keys.LOSS_TRAIN), "autocast": None,
+        "state_continued": True, "n_head": max(heads) + 1 if heads else None,
+        "versions": {"torch": torch.__version__}, "metrics": metrics, "details": {},
+        "flags": {i: {"state": f.name, "reasons": f.reasons, "probes": n_probes[i]} for i, f in flags.items()},
+        "census": None if census is None else census.to_dict(), "watch": meta,
+    }
+
+
 def write_plots(run_dir, out_dir=None) -> list[Path]:
     """The run's probe series from its metrics.jsonl as PNGs (``flashguard.diagnostics.plots``)
     in ``out_dir`` (default RUN_DIR/diagnostics/plots); returns their paths."""
@@ -323,9 +402,16 @@ def run_diagnose(args: argparse.Namespace) -> int:
             print(f"written: {path}")
         if not args.monitor:
             return 0
+    from .run_state import WATCH_LABEL, watch_meta
+    meta = watch_meta(run_dir)
     if args.monitor:
         from .evaluation import evaluate_run
-        ev = evaluate_run(run_dir)
+        if meta is not None:
+            print(f"{run_dir}: {WATCH_LABEL}; the monitor replays its every-step records (loss, gradient norm) and "
+                  f"its probes (every {meta.get('every', '?')} steps)")
+            ev = evaluate_run(run_dir, warmup=int(meta.get("warmup_steps") or 0))
+        else:
+            ev = evaluate_run(run_dir)
         print(ev.summary())
         print("  timeline (each change of the monitor's state, with the training loss at that step):")
         for s, state, loss, reasons in ev.timeline:
@@ -342,11 +428,16 @@ def run_diagnose(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"flashguard diagnose: error: {e}", file=sys.stderr)
         return 2
-    print(f"{run_dir}: checkpoint at step {res['step']}, batch of step {res['batch_step']} "
-          f"({res['sequences']} sequences, {res['autocast']} autocast), loss {res['loss']:.4f}"
-          + ("" if res["state_continued"] else "; no earlier probe state (no growth rates or running sums)"))
+    if res.get("kind") == "watch":
+        loss = "" if res["loss"] is None else f", loss {res['loss']:.4f}"
+        print(f"{run_dir}: {res['label']}. The probe the watch recorded at step {res['step']} while your model "
+              f"trained{loss} (the folder holds no model: nothing is rerun; --step picks another probe step)")
+    else:
+        print(f"{run_dir}: checkpoint at step {res['step']}, batch of step {res['batch_step']} "
+              f"({res['sequences']} sequences, {res['autocast']} autocast), loss {res['loss']:.4f}"
+              + ("" if res["state_continued"] else "; no earlier probe state (no growth rates or running sums)"))
     flags = res["flags"]
-    print(format_table(res["metrics"], res["layers"], n_head=res["n_head"] if args.heads else None,
+    print(format_table(res["metrics"], res["layers"], n_head=res["n_head"] if args.heads and res["n_head"] else None,
                        attention=res["attention"], flags={i: f["state"] for i, f in flags.items()},
                        wide=getattr(args, "wide", False)))
     for layer, f in flags.items():

@@ -12,7 +12,6 @@ line: ``python -m flashguard.diagnostics.evaluate`` (``.evaluate``).
 """
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,7 +22,6 @@ from .monitor import STATE_NAMES, WARNING, WATCH, Monitor, MonitorThresholds
 
 __all__ = ["RunEvaluation", "evaluate_run", "evaluate_runs"]
 
-_WQ_HEAD_NORM = re.compile(keys.WQ_NORM.pattern(heads=True))   # a run with probes logs these
 
 
 @dataclass
@@ -38,7 +36,8 @@ class RunEvaluation:
     first_warning_step: int | None
     lead_time: int | None          # divergence_step - first_warning_step (warning before divergence)
     false_alarm: bool              # a warning although the run did not diverge
-    has_probes: bool               # the run logged probe metrics (else only grad/loss signals)
+    has_probes: bool               # the run logged probe metrics (any probe key: flashguard's trainer's,
+                                   # or flashguard.watch's on the user's model; else only grad/loss signals)
     warnings: list = field(default_factory=list)  # [step, reasons] at each entry into warning
     # the warning timeline next to the loss: [step, state name, loss at that step, reasons] at the
     # first record and at every change of state, up to the divergence step
@@ -125,7 +124,7 @@ def evaluate_run(metrics, thresholds: MonitorThresholds | None = None, *, warmup
         diverged=div_step is not None, divergence_step=div_step, divergence_reason=div_reason,
         first_watch_step=first_watch, first_warning_step=first_warning, lead_time=lead,
         false_alarm=div_step is None and first_warning is not None,
-        has_probes=any(any(_WQ_HEAD_NORM.fullmatch(k) for k in r) for r in records), warnings=warnings,
+        has_probes=any(any(keys.is_probe_key(k) for k in r) for r in records), warnings=warnings,
         timeline=timeline)
 
 

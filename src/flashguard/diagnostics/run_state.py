@@ -1,11 +1,38 @@
 """A run folder's model at a checkpoint, and the batches the run logged: what ``diagnose`` and
-the lab's captured problems read."""
+the lab's captured problems read; and what kind of folder it is: a flashguard training run
+(checkpoints, config.toml) or a watch folder of the user's own model (``flashguard.watch``:
+watch.json and metrics.jsonl, no checkpoint: its probes were run while the user's model trained)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["RunState", "load_run_state", "pick_checkpoint", "logged_batches"]
+__all__ = ["RunState", "load_run_state", "pick_checkpoint", "logged_batches", "watch_meta", "is_watch_folder",
+           "WATCH_LABEL"]
+
+WATCH_LABEL = "a watch folder of your model (flashguard.watch), not a flashguard training run"
+
+
+def watch_meta(folder) -> dict | None:
+    """watch.json of a watch folder (``flashguard.watch``'s ``log_dir``), or None for another folder.
+    A watch.json written before it said its kind (no ``kind``) counts when it has the watch's fields."""
+    import json
+    path = Path(folder) / "watch.json"
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict):
+        return None
+    if meta.get("kind") == "flashguard.watch" or ("kind" not in meta and "every" in meta and "layers" in meta):
+        return meta
+    return None
+
+
+def is_watch_folder(folder) -> bool:
+    return watch_meta(folder) is not None
 
 
 def pick_checkpoint(run_dir: Path, step: int | None) -> tuple[int, Path]:

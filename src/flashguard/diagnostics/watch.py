@@ -603,7 +603,7 @@ class Watch:
         for layer, m in sorted(self.measured.items()):
             groups.setdefault((m.get("kernel"), m["precision"], m["about"]), []).append(f"L{layer}")
         for (kernel, name, about), layers in groups.items():
-            ran = f"torch ran {kernel}; " if kernel else ""
+            ran = f"{kernel} ran; " if kernel else ""
             self._say(f"measured {kernel} {name}", f"{', '.join(layers)}: {ran}measured in {name} ({about})")
         if self._meta:
             self._meta["measured"] = {f"L{i}": m for i, m in sorted(self.measured.items())}

@@ -2,9 +2,11 @@
 
 Kinds of folder (``folder_kind``): a repro folder holds ``repro.json`` (``flashguard repro``) and
 ``runs/<name>/``; a training run folder holds ``metrics.jsonl`` (and ``config.toml``; made by
-``flashguard train``); a lab folder holds ``lab.json`` (``flashguard lab``). Several run folders
-given together are read like the runs of one repro without claims. Anything else is a
-ValueError naming the folder and what was expected.
+``flashguard train``); a watch folder holds ``watch.json`` and ``metrics.jsonl`` (``flashguard.watch``
+on the user's own model: labelled as such, never as a flashguard training run); a lab folder holds
+``lab.json`` (``flashguard lab``). Several run (or watch) folders given together are read like the
+runs of one repro without claims. Anything else is a ValueError naming the folder and what was
+expected.
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from ..repro.summary import summarize_run
 
 __all__ = ["Run", "Lab", "Study", "folder_kind", "load_study"]
 
-EXPECTED = ("a repro folder (repro.json), a training run folder (metrics.jsonl, config.toml) "
-            "or a lab folder (lab.json)")
+EXPECTED = ("a repro folder (repro.json), a training run folder (metrics.jsonl, config.toml), "
+            "a watch folder of your model (watch.json, metrics.jsonl; flashguard.watch) or a lab folder (lab.json)")
 
 
 @dataclass
@@ -29,6 +31,7 @@ class Run:
     dir: Path
     records: list[dict]    # metrics.jsonl, in file order ([] if the run never started)
     summary: dict          # steps, final_loss, min_loss, diverged_at, max_grad_norm, last_val, wall_s, status
+    watch: dict | None = None   # watch.json of a watch folder (flashguard.watch on the user's model)
 
 
 @dataclass
@@ -40,7 +43,7 @@ class Lab:
 
 @dataclass
 class Study:
-    kind: str              # "repro" or "runs" (or "lab" for a lab folder alone)
+    kind: str              # "repro", "runs", "watch" (watch folders only) or "lab" (a lab folder alone)
     sources: list[Path]
     meta: dict             # preset, config, steps, seed, base_precision, focus_layer, versions
     runs: list[Run] = field(default_factory=list)
@@ -53,11 +56,14 @@ class Study:
 
 
 def folder_kind(d: Path) -> str:
-    """"repro", "run" or "lab"; ValueError for a missing folder or one of none of these kinds."""
+    """"repro", "run", "watch" or "lab"; ValueError for a missing folder or one of none of these kinds."""
+    from ...diagnostics.run_state import is_watch_folder
     if not d.exists():
         raise ValueError(f"{d}: no such folder (expected {EXPECTED})")
     if not d.is_dir():
         raise ValueError(f"{d}: not a folder (expected {EXPECTED})")
+    if (d / "metrics.jsonl").is_file() and not (d / "repro.json").is_file() and is_watch_folder(d):
+        return "watch"
     for name, kind in (("repro.json", "repro"), ("metrics.jsonl", "run"), ("lab.json", "lab")):
         if (d / name).is_file():
             return kind
@@ -100,6 +106,23 @@ def _plain_run(d: Path, name: str) -> Run:
         if layers:
             title += "; per layer " + ", ".join(f"L{k}: {v}" for k, v in sorted(layers.items()))
     return Run(name, "main", title, d, records, summary)
+
+
+def _watch_run(d: Path, name: str) -> Run:
+    from ...diagnostics.run_state import watch_meta
+    meta = watch_meta(d) or {}
+    measured = sorted({m.get("precision") for m in (meta.get("measured") or {}).values() if m.get("precision")})
+    kernels = sorted({m.get("kernel") for m in (meta.get("measured") or {}).values() if m.get("kernel")})
+    title = f"your model ({meta.get('model') or 'nn.Module'}), watched by flashguard.watch"
+    title += f", probes every {meta['every']} steps" if meta.get("every") else ""
+    if kernels:
+        title += f"; ran {', '.join(kernels)}"
+    if measured:
+        title += f"; measured in {', '.join(measured)}"
+    summary = summarize_run(d)
+    if summary.get("status") == "partial":   # no planned length to compare with: the user's run, as far as watched
+        summary["status"] = "watched"
+    return Run(name, "main", title, d, _records(d), summary, watch=meta)
 
 
 def _load_lab(d: Path) -> Lab:
@@ -165,13 +188,15 @@ def load_study(dirs: list[Path | str], lab: Path | str | None = None) -> Study:
     kinds = [folder_kind(p) for p in paths]
     labs = [p for p, k in zip(paths, kinds) if k == "lab"]
     repros = [p for p, k in zip(paths, kinds) if k == "repro"]
-    plain = [p for p, k in zip(paths, kinds) if k == "run"]
+    plain = [p for p, k in zip(paths, kinds) if k in ("run", "watch")]
+    watched = {p for p, k in zip(paths, kinds) if k == "watch"}
     if len(repros) > 1 or (repros and plain):
-        raise ValueError(f"{(repros + plain)[1]}: give one repro folder, or training run folders, not both "
+        raise ValueError(f"{(repros + plain)[1]}: give one repro folder, or training run (or watch) folders, not both "
                          f"(with {repros[0]})")
     if len(labs) > 1:
         raise ValueError(f"{labs[1]}: give at most one lab folder (with {labs[0]})")
-    study = Study(kind="repro" if repros else "runs" if plain else "lab", sources=paths, meta={})
+    kind = "repro" if repros else ("watch" if set(plain) <= watched else "runs") if plain else "lab"
+    study = Study(kind=kind, sources=paths, meta={})
     if repros:
         _load_repro(repros[0], study)
     names: set[str] = set()
@@ -182,9 +207,9 @@ def load_study(dirs: list[Path | str], lab: Path | str | None = None) -> Study:
         while name in names:
             name += "'"
         names.add(name)
-        study.runs.append(_plain_run(p, name))
+        study.runs.append(_watch_run(p, name) if p in watched else _plain_run(p, name))
     if plain:
-        cfgs = [c for c in (_config(p) for p in plain) if c]
+        cfgs = [c for c in (_config(p) for p in plain if p not in watched) if c]
         study.meta = {"preset": _distinct(c.model.preset for c in cfgs),
                       "steps": _distinct(c.train.steps for c in cfgs), "seed": _distinct(c.train.seed for c in cfgs),
                       "base_precision": _distinct(c.attention.spec.precision for c in cfgs)}

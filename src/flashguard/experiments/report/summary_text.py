@@ -156,6 +156,7 @@ class _Inputs:
     lab: dict | None = None
     injection: dict | None = None         # injection.json: the causal comparison (experiments/injection)
     natural: dict | None = None           # natural.json: the natural runs (experiments/natural), measured apart
+    watch: bool = False                   # the runs are watch folders of the user's own model (flashguard.watch)
 
 
 def _verdict_list(items: list[tuple[str, str]]) -> str:
@@ -176,10 +177,16 @@ def build_summary(inp: _Inputs) -> list[tuple]:
         steps = f" for {inp.steps:,} steps" if inp.steps else ""
         model = f" of {inp.model}" if inp.model else ""
         same = ", same seed and batches" if len(inp.runs) > 1 and inp.claims else ""
-        parts.append(f"{len(inp.runs)} training run{'s' if len(inp.runs) != 1 else ''}{model}{steps}{same} ("
+        what = (f"watch folder{'s' if len(inp.runs) != 1 else ''} of your own model's training" if inp.watch
+                else f"training run{'s' if len(inp.runs) != 1 else ''}")
+        parts.append(f"{len(inp.runs)} {what}{model}{steps}{same} ("
                      + "; ".join(r.title or r.name for r in inp.runs) + ")")
-    blocks.append(("p", f"What ran: {inp.command} ran " + " and ".join(parts) + "." if parts
-                   else f"What ran: {inp.command}; no runs and no lab result were found."))
+    if inp.watch and parts:
+        blocks.append(("p", "What ran: your own model's training, watched by `flashguard.watch`; this report reads "
+                            + " and ".join(parts) + "."))
+    else:
+        blocks.append(("p", f"What ran: {inp.command} ran " + " and ".join(parts) + "." if parts
+                       else f"What ran: {inp.command}; no runs and no lab result were found."))
     # what held
     held = []
     if lab is not None and lab.get("verdicts"):
@@ -195,6 +202,10 @@ def build_summary(inp: _Inputs) -> list[tuple]:
         if diverged:
             blocks.append(("p", "Diverged: " + ", ".join(f"{r.name} at step {r.summary['diverged_at']}"
                                                           for r in diverged) + "."))
+        elif inp.watch:
+            blocks.append(("p", "No divergence in the watched steps by the package's rule (a non-finite or runaway "
+                                "loss or gradient norm, as the watch logged them every step); the monitor's "
+                                "timeline is in `flashguard diagnose DIR --monitor`."))
         else:
             length = f"{inp.steps:,} steps" if inp.steps else "runs this short"
             tokens = (f", {inp.tokens_per_step * inp.steps:,} tokens in all,"
@@ -392,10 +403,11 @@ def summary_from_study(study) -> list[tuple]:
     if isinstance(steps, str):   # plain run folders: their distinct step counts
         steps = int(steps) if steps.isdigit() else None
     command = _command(study.meta.get("preset")) if study.kind == "repro" else \
-        "`flashguard train`" if study.kind == "runs" else "`flashguard lab`"
+        "`flashguard train`" if study.kind == "runs" else \
+        "`flashguard.watch` (on your own model, during its training)" if study.kind == "watch" else "`flashguard lab`"
     return build_summary(_Inputs(command, runs, list(study.claims), steps, model, tps,
                                  study.lab.result if study.lab is not None else None, study.injection,
-                                 study.natural))
+                                 study.natural, watch=study.kind == "watch"))
 
 
 def intro_text(steps: int, model: str = "the tiny-cpu model") -> str:

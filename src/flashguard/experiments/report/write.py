@@ -53,7 +53,9 @@ def _produced_by(study: Study) -> str:
     if m.get("focus_layer") is not None:
         parts.append(f"focus layer L{m['focus_layer']} (layers count from 0)")
     versions = m.get("versions") or {}
-    who = {"repro": "`flashguard repro`", "runs": "`flashguard train` runs", "lab": "`flashguard lab`"}[study.kind]
+    who = {"repro": "`flashguard repro`", "runs": "`flashguard train` runs", "lab": "`flashguard lab`",
+           "watch": "`flashguard.watch` on your own model's training (a watch folder, not a flashguard training "
+                    "run)"}[study.kind]
     text = f"Produced by {who}" + (f": {', '.join(parts)}" if parts else "") + "."
     if versions:
         text += " Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + "."
@@ -101,6 +103,10 @@ def build_document(study: Study, figures: list[Figure], skipped: list[str], lab_
             doc.append(("table", Table(["id", "claim", "verdict", "evidence"],
                                        [[fmt(c.get("id")), fmt(c.get("title")), fmt(c.get("verdict")),
                                          fmt(c.get("evidence"))] for c in study.claims], verdict_col=2)))
+        elif study.kind == "watch" or any(r.watch is not None for r in study.runs):
+            doc.append(("p", "No claims: watch folders of your own model's training (flashguard.watch: the probes of "
+                             "its attention and the monitor, recorded while it trained; not flashguard training runs)"
+                        + ("" if study.kind == "watch" else ", beside plain training runs") + "."))
         else:
             doc.append(("p", "No claims: plain training runs (no repro.json), shown side by side."))
         if study.injection is not None:
