@@ -1,0 +1,57 @@
+"""What several subcommands share: help text wrapping, the valid values, the override check."""
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+__all__ = ["wrap", "valid_values", "config_option_error"]
+
+
+def wrap(text: str, hang: str = "") -> str:
+    """Help text wrapped line by line (the parsers keep line breaks: RawDescriptionHelpFormatter)."""
+    return "\n".join(textwrap.fill(line, 79, subsequent_indent=hang, break_on_hyphens=False) for line in text.split("\n"))
+
+
+def valid_values() -> str:
+    """The valid values of the options that take a policy, a stabilizer or a config, from their registries."""
+    from ..attention.stabilizers import STABILIZERS
+    from ..experiments.repro.presets import PRESETS
+    from ..numerics.policy import POLICIES
+    from ..train.shipped import config_precision, shipped_configs
+    trains = {name: config_precision(path) for name, path in shipped_configs().items()}
+    paper = ("; paper is the study's reference bf16 arithmetic, which leans under tied maxima: chosen on "
+             "purpose, to show the mechanism; add attention.precision=fa2 to train in production flash "
+             "attention's arithmetic" if "paper" in trains.values() else "")
+    return wrap(f"precision policies (attention.precision, lab --precision): {', '.join(POLICIES)}, "
+                f"or one with changed fields as 'paper[pv=fp32]';\n"
+                f"stabilizers (attention.stabilizer): {', '.join(STABILIZERS)}, with options as 'paper:beta=7,tol=1e-3';\n"
+                f"shipped configs (flashguard train NAME), with the attention.precision each trains: "
+                f"{', '.join(f'{n} ({p})' for n, p in trains.items())}{paper};\n"
+                f"repro presets (repro --preset): {', '.join(PRESETS)}.", hang="  ")
+
+
+def config_option_error(argv: list[str], parser: argparse.ArgumentParser) -> str | None:
+    """For ``train`` and ``repro``: the error for a ``--key value`` (or ``--key=value``) that is not
+    one of the command's options but names a training-config key, naming the ``key=value`` override
+    to write instead (``--steps 10`` -> ``train.steps=10``); None when there is none."""
+    known = parser._option_string_actions   # argparse also accepts unambiguous prefixes of these
+    keys = None
+    for i, token in enumerate(argv):
+        if not token.startswith("--") or token == "--":
+            continue
+        option, eq, value = token.partition("=")
+        if any(k.startswith(option) for k in known):
+            continue
+        if not eq:
+            follows = argv[i + 1] if i + 1 < len(argv) else ""
+            value = follows if follows and not follows.startswith("-") else "VALUE"
+        if keys is None:
+            from ..train.config import RunConfig, config_to_dict
+            keys = [f"{section}.{key}" for section, table in config_to_dict(RunConfig()).items()
+                    for key in table if key != "layers"]
+        name = option[2:].replace("-", "_")
+        found = [k for k in keys if name in (k, k.split(".", 1)[1])]
+        if found:
+            fix = " or ".join(f"{k}={value}" for k in found)
+            return f"unknown option {option}: set {fix} (a config key is set by a key=value argument, not an option)"
+    return None
