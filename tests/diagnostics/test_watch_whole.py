@@ -320,3 +320,16 @@ def test_report_labels_a_watch_folder(watch_folder, tmp_path):
     assert "`flashguard train`" not in md and "training run of" not in md
     assert "your model (GPT2LMHeadModel), watched by flashguard.watch" in md
     assert "## Preconditions census" in md and (tmp_path / "report" / "figures" / "loss.png").is_file()
+
+
+def test_the_monitor_knows_which_signals_a_model_gives():
+    gpt2 = tiny_gpt2()
+    with watch(gpt2, every=1, precision="fa2", log_fn=quiet) as w:
+        hf_steps(gpt2, w, steps=2)
+    assert w.monitor.signals_seen == {"grad_spike", "wq_growth", "wq_norm_ratio", "max_logit", "delta_bias"}
+    torch.manual_seed(0)
+    model = Custom()
+    with watch(model, every=1, precision="fa2", log_fn=quiet) as w:
+        model(torch.randint(0, 32, (2, 8))).backward()
+        w.step()
+    assert w.monitor.signals_seen == {"max_logit", "delta_bias"}      # no projections found, no gradient norm

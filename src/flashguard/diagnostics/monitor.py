@@ -7,6 +7,17 @@ trainer's own keys (``loss/train``, ``grad/norm``) every step and the probe keys
 ``flashguard.diagnostics.evaluate`` replays a finished run and measures what the monitor would
 have said (lead time against the package's divergence rule).
 
+Any model: the monitor reads keys, not a model. ``flashguard.watch`` (and the Hugging Face
+callback built on it) feeds it every step's record of the user's own model: ``grad/norm``
+every step (the gradient-spike signal), and at probe steps the signals the probes compute on any
+SDPA call (max logit; delta's error for the delta-bias signal; the tie rate shown beside them)
+and the W_Q / W_K spectral norms where the watch finds the projections
+(``flashguard.diagnostics.projections``: Hugging Face's ``q_proj`` / ``k_proj`` and GPT-2's packed
+``c_attn`` automatically, others by the module names the user passes), so the W_Q growth and
+ratio signals too. A signal whose keys never come is never raised; the state is judged on the
+others (``signals_seen``). The W_Q gradient-error signal (``grad_err``) needs flashguard's
+trainer.
+
 Signals and thresholds (``MonitorThresholds``). First set by hand from the study's account and
 one stable 300-step tiny-cpu run; then calibrated (issue 15, docs/early-warning/) on the 150 runs
 of the micro-grid injection experiment (seeds 1-5, 26 diverged by the package's rule): the
@@ -136,6 +147,7 @@ class Monitor:
         self._grad_hist: deque = deque(maxlen=self.th.grad_window)
         self._spike_until = -1
         self._delta: dict[int, deque] = {}
+        self.signals_seen: set[str] = set()   # the signals whose keys have come in at least once
 
     # ---- signals ----
 
@@ -232,8 +244,22 @@ class Monitor:
 
     # ---- the state ----
 
+    def _note_signals(self, record: dict) -> None:
+        for k in record:
+            if k == keys.GRAD_NORM:
+                self.signals_seen.add("grad_spike")
+            elif _WQ_NORM.fullmatch(k):
+                self.signals_seen.update(("wq_growth", "wq_norm_ratio"))
+            elif _MAX_LOGIT.fullmatch(k):
+                self.signals_seen.add("max_logit")
+            elif _DELTA.fullmatch(k):
+                self.signals_seen.add("delta_bias")
+            elif _COS_PREV.fullmatch(k):
+                self.signals_seen.add("grad_err")
+
     def update(self, record: dict) -> MonitorStatus:
         step = int(record.get(keys.STEP, -1))
+        self._note_signals(record)
         if step >= self.th.ignore_before:
             self._probe_signals(step, record)
             self._grad_signal(step, record)
