@@ -181,6 +181,10 @@ def test_demo_writes_the_report_and_resumes(tiny_data, tmp_path, capsys):
     inj = json.loads((out / "injection" / "injection.json").read_text())
     assert inj["steps"] == 3 and {r["name"] for r in inj["runs"]} == {"real-a1", "coherent-p0.75-a1", "zero-mean-a100"}
     assert "Error injection: the causal comparison" in html
+    # the edge sample: its four arms, two seeds, and the full result cited beside it
+    edge = json.loads((out / "edge" / "edge.json").read_text())
+    assert edge["steps"] == 3 and edge["seeds"] == [1, 2] and len(edge["runs"]) == 8
+    assert "[5/6] edge attribution" in printed and "2 seeds decide nothing" in printed
     # finished runs keep no checkpoints (the report reads their metrics): megabytes, not 40 MB per checkpoint
     assert not list(out.rglob("*.pt")) and "removed the finished runs' checkpoints" in printed
     # a second call resumes: nothing is trained or measured again

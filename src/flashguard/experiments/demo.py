@@ -11,7 +11,11 @@
    micro model with the arithmetic's own delta error, with that error leaning (sign + with
    probability 0.75) at its own size, and with it zero-mean at 100x its size, on the same batches
    (claim I1: does the sign structure, not the size, explode a run?);
-5. writes the report (report.md, self-contained report.html) and prints where it is, with the
+5. trains a short edge attribution (`micro-edge-demo`, seeds 1-2, about two minutes): at the lr
+   where paper diverges and fp32 trains, paper with delta exact (no delta error at all) and
+   production fa2 beside them - the demo's small sample of docs/edge, whose 10 seeds a arm answer
+   whether the study's mechanism makes that divergence;
+6. writes the report (report.md, self-contained report.html) and prints where it is, with the
    natural runs' verdicts (docs/natural/natural.json, measured apart: 40 minutes an arm) when it
    runs where that file is (``natural=``: another natural.json).
 
@@ -48,6 +52,7 @@ def run_demo(out: str | Path = "demo", *, data_dir: str | Path = "data/embedded"
     from .report import write_report
     from .report.summary_text import intro_text, render_text, summary_from_repro
     from .injection import get_injection_preset, run_injection
+    from .edge import get_edge_preset, run_edge
     from .repro import get_preset, run_repro
 
     t0 = time.perf_counter()
@@ -55,26 +60,31 @@ def run_demo(out: str | Path = "demo", *, data_dir: str | Path = "data/embedded"
     preset = get_preset("demo")
     log(intro_text(steps or preset.steps).rstrip())
     if not (data_dir / "meta.json").is_file():
-        log(f"[1/5] preparing the embedded corpus in {data_dir}")
+        log(f"[1/6] preparing the embedded corpus in {data_dir}")
         prepare_embedded(data_dir, progress=progress)
     else:
-        log(f"[1/5] corpus: {data_dir}")
+        log(f"[1/6] corpus: {data_dir}")
     if (out / "lab" / "lab.json").is_file():
-        log("[2/5] lab: already done")
+        log("[2/6] lab: already done")
         lab = json.loads((out / "lab" / "lab.json").read_text())
     else:
-        log("[2/5] rounding-bias lab (quick)")
+        log("[2/6] rounding-bias lab (quick)")
         lab = run_lab(quick=True, precision="paper", seed=0, progress=lambda m: log(f"  {m}"))
         write_lab(lab, out / "lab")
-    log("[3/5] matched training runs")
+    log("[3/6] matched training runs")
     result = run_repro(preset, out, claims=DEMO_CLAIMS, steps=steps,
                        overrides=[f'data.dir="{data_dir}"'], progress=progress, log=lambda m: log(f"  {m}"))
-    log("[4/5] causal comparison: error injection on the micro model (real / leaning x1 / zero-mean x100)")
+    log("[4/6] causal comparison: error injection on the micro model (real / leaning x1 / zero-mean x100)")
     # seed 1: one of the five seeds the micro-grid measured (the leaning arm diverged at all five)
     injection = run_injection(get_injection_preset("micro-demo"), out / "injection", steps=steps, seeds=[1],
                               overrides=[f'data.dir="{data_dir}"'], progress=False, log=lambda m: log(f"  {m}"))
+    log("[5/6] edge attribution, the demo's small sample (2 seeds; docs/edge has 10 a arm)")
+    edge = run_edge(get_edge_preset("micro-edge-demo"), out / "edge", steps=steps,
+                    overrides=[f'data.dir="{data_dir}"'], log=lambda m: None)
+    for line in _edge_lines(edge):
+        log(f"  {line}")
     natural = _natural_result(out, Path(natural) if natural is not None else None, log)
-    log("[5/5] report")
+    log("[6/6] report")
     paths = write_report([out], out / "report")
     if not keep_checkpoints:
         freed = _drop_checkpoints(out, result) + _drop_checkpoints(out / "injection", injection)
@@ -87,7 +97,28 @@ def run_demo(out: str | Path = "demo", *, data_dir: str | Path = "data/embedded"
     log(render_text(summary_from_repro(result, lab, out, injection, natural)).rstrip())
     log("")
     log(f"demo done in {time.perf_counter() - t0:.0f} s; report: {paths['html'].resolve()}")
-    return {"repro": result, "injection": injection, "report": paths}
+    return {"repro": result, "injection": injection, "edge": edge, "report": paths}
+
+
+# the full edge attribution, measured apart (10 seeds a arm): shown next to the demo's sample when
+# the demo runs where it is
+EDGE_RESULT = Path("docs/edge/micro-edge/edge.json")
+
+
+def _edge_lines(edge: dict, full: Path = EDGE_RESULT) -> list[str]:
+    """The edge sample as console lines: each arm's divergences, then the same arms in the full
+    experiment when its result is at hand."""
+    block = edge["by_lr"][0]
+    lines = [f"peak lr {block['lr']:.3g}: " + "; ".join(f"{a['label']} {a['diverged']}/{a['finished']} diverged"
+                                                      for a in block["arms"]) + " (2 seeds decide nothing)"]
+    try:
+        measured = json.loads(full.read_text())
+        counts = {a["arm"]: a for a in measured["by_lr"][0]["arms"]}
+    except (OSError, ValueError, KeyError, IndexError):
+        return lines + [f"the full attribution (10 seeds a arm): flashguard repro --experiment edge (see {full.parent})"]
+    same = [f"{a['label']} {counts[a['arm']]['diverged']}/{counts[a['arm']]['finished']}" for a in block["arms"]
+            if a["arm"] in counts]
+    return lines + [f"measured apart ({full}, {len(measured['seeds'])} seeds a arm): " + "; ".join(same)]
 
 
 # the natural runs take about 40 minutes an arm on one core, far beyond a demo: it shows the result

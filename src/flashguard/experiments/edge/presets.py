@@ -155,6 +155,11 @@ EDGE_PRESETS: dict[str, EdgePreset] = {p.name: p for p in (
                about="micro-edge one grid step lower (peak lr 0.0646, where the LR experiment's paper trained at both "
                      "seeds by the loss rule alone), 8 arms x seeds 1-10: whether paper diverges at some seeds there, "
                      "and if so what removes it"),
+    # the demo's short sample (flashguard demo): the arms that carry micro-edge's answer, two seeds
+    EdgePreset("micro-edge-demo", "micro", lrs=(0.139,), arms=(FP32, PAPER, DELTA_EXACT, FA2),
+               claims=tuple(c for c in CLAIMS if c.id in ("E0", "E5", "E9")), steps=1000, seeds=(1, 2),
+               about="the demo's small sample of micro-edge (2 seeds, 4 arms: fp32, paper, paper with delta exact, "
+                     "fa2); verdicts from 2 seeds decide nothing (docs/edge has 10 seeds a arm)"),
     EdgePreset("micro-edge-smoke", "micro", lrs=(0.01,), arms=(FP32, PAPER, DELTA_ZERO_MEAN, O_ZERO_MEAN, SDPA),
                claims=tuple(c for c in CLAIMS if c.id in ("E0", "E1", "E3", "E10")), steps=12, seeds=(1, 2),
                eval_batches=2, checkpoint_every=6,
