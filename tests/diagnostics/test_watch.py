@@ -293,6 +293,7 @@ def test_what_it_cannot_see_is_said_once():
     for _ in range(2):
         lin(torch.randn(2, 4)).sum().backward()
         assert set(w.step()) == {keys.STEP, keys.DIAGNOSTICS_TIME, keys.MONITOR_STATE}
+    w.close()
     said = [m for m in said if not m.startswith("step ")]     # the probe steps' summary lines aside
     assert len(said) == 1 and "no SDPA call" in said[0]
     said.clear()

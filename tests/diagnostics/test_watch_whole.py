@@ -333,3 +333,15 @@ def test_the_monitor_knows_which_signals_a_model_gives():
         model(torch.randint(0, 32, (2, 8))).backward()
         w.step()
     assert w.monitor.signals_seen == {"max_logit", "delta_bias"}      # no projections found, no gradient norm
+
+
+def test_a_capture_left_installed_does_not_hide_the_kernel_torch_runs():
+    from flashguard.diagnostics.sdpa_capture import SdpaCapture
+    q, k, v, do = _bf16_problem(2)
+    model = Toy(q, k, v, do, is_causal=True)
+    with SdpaCapture(limit=0):                 # another capture, installed first
+        w = Watch(model, every=1, subsample=None, log_fn=quiet)
+        model().backward()
+        w.step()
+        w.close()
+    assert w.measured[0]["precision"] == "torch-cpu" and w.measured[0]["kernel"] == "torch sdpa: flash (cpu)"

@@ -231,7 +231,7 @@ class _DispatchCapture(SdpaCapture):
         return label
 
     def _wrap(self, original):
-        ours = is_torch_sdpa(original)
+        ours = is_torch_sdpa(_unwrap_captures(original))
 
         def dispatching(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                         enable_gqa=False, **kw):
@@ -241,7 +241,16 @@ class _DispatchCapture(SdpaCapture):
                               "dtype": q.dtype, "device": q.device.type, "torch": ours, "fn": original}
             return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa, **kw)
+        dispatching.__wrapped__ = original
         return super()._wrap(dispatching)
+
+
+def _unwrap_captures(fn):
+    """``fn`` without the SDPA captures' own wrappers (which call what they wrap unchanged): a capture
+    installed before this one (another watch, a check) does not hide torch's SDPA under it."""
+    while callable(fn) and hasattr(fn, "__wrapped__") and "Capture._wrap.<locals>" in getattr(fn, "__qualname__", ""):
+        fn = fn.__wrapped__
+    return fn
 
 
 def _stderr(text: str) -> None:
@@ -443,7 +452,8 @@ class Watch:
         key = ("kernel", name)
         if key not in self._by_dtype:
             self._by_dtype[key] = self.options.replace(precision=name)
-        self.measured[layer] = {"kernel": kernel_label(dispatch["fn"], dispatch["backend"], dispatch["device"]),
+        self.measured[layer] = {"kernel": kernel_label(_unwrap_captures(dispatch["fn"]), dispatch["backend"],
+                                                       dispatch["device"]),
                                 "dtype": str(dispatch["dtype"]).removeprefix("torch."), "precision": name,
                                 "about": about}
         return self._by_dtype[key]
