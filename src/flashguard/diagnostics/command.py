@@ -47,7 +47,8 @@ from pathlib import Path
 
 from .. import keys
 
-__all__ = ["add_diagnose_arguments", "run_diagnose", "diagnose", "diagnose_watch", "write_plots", "format_table", "layer_flags",
+__all__ = ["add_diagnose_arguments", "run_diagnose", "diagnose", "diagnose_watch", "write_plots", "format_table",
+           "layer_flags",
            "legend", "LEGEND", "main"]
 
 
