@@ -305,16 +305,17 @@ def test_a_name_with_flash_is_refused_before_registering(name):
 
 
 def _readme_hf_recipe() -> str:
-    """The README's Hugging Face code block: the first python fence under '## Hugging Face models'."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("\n## Hugging Face models\n", 1)[1].split("\n## ", 1)[0]
+    """The Hugging Face recipe users copy: the first python fence under '## Hugging Face models' in
+    the attention guide (docs/guides/attention.md, which the README links)."""
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "guides" / "attention.md").read_text()
+    section = guide.split("\n## Hugging Face models\n", 1)[1].split("\n## ", 1)[0]
     (block, *_) = re.findall(r"^```python\n(.*?)^```$", section, flags=re.S | re.M)
     return block
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_readme_hugging_face_recipe_runs_as_written(arch, tmp_path, monkeypatch):
-    # the README's block, unchanged, on a small random model saved to disk (its `path`) and a
+    # the guide's block, unchanged, on a small random model saved to disk (its `path`) and a
     # batch with labels (its `batch`); both of its ways in must reach flashguard's SDPA
     code = _readme_hf_recipe()
     assert "attn_implementation=" in code and "register(" in code
@@ -325,12 +326,12 @@ def test_readme_hugging_face_recipe_runs_as_written(arch, tmp_path, monkeypatch)
     monkeypatch.setattr(fg_function, "scaled_dot_product_attention",
                         lambda *a, **kw: calls.append(1) or original(*a, **kw))
     ns = {"path": str(tmp_path), "batch": {"input_ids": x, "labels": x}}
-    exec(compile(code, "README.md (Hugging Face models)", "exec"), ns)   # noqa: S102
+    exec(compile(code, "docs/guides/attention.md (Hugging Face models)", "exec"), ns)   # noqa: S102
     assert torch.isfinite(ns["loss"]) and len(calls) == 2      # way 2: one call per layer
     # way 1 alone: the model it loads runs flashguard with the registered options
     way1 = code.split("\n# 2.")[0]
     ns1 = {"path": str(tmp_path)}
-    exec(compile(way1, "README.md (Hugging Face models, way 1)", "exec"), ns1)  # noqa: S102
+    exec(compile(way1, "docs/guides/attention.md (Hugging Face models, way 1)", "exec"), ns1)  # noqa: S102
     assert "flash" not in ns1["model"].config._attn_implementation
     with torch.no_grad():
         got = ns1["model"](x).logits
