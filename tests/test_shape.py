@@ -81,7 +81,7 @@ README_COMMANDS = _readme_commands()
 
 
 def test_the_readme_shows_commands():
-    assert len(README_COMMANDS) >= 10
+    assert README_COMMANDS, "no `flashguard ...` line found in the README's code blocks (is the scan broken?)"
 
 
 @pytest.mark.parametrize("command", README_COMMANDS)

@@ -349,6 +349,100 @@ def pbar_operand(p: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
     return out.mul_(2.0 ** -s)
 
 
+def _initial_rows(shape, m_init: float, policy: PrecisionPolicy, gpu: bool, hp_fmt, device):
+    """A query tile's starting state for ``shape`` = (B, H, n, D_v): the running max m, a GPU exp2
+    form's own running shift m_u in its exponent's input units (fp32; None without one), the row
+    sum l, the O accumulator and its high-precision copy (None unless ``hp_fmt``)."""
+    B, H, n, Dv = shape
+    m = torch.full((B, H, n, 1), m_init, dtype=storage_dtype(policy.stats), device=device)
+    m_u = torch.full((B, H, n, 1), float("-inf"), device=device) if gpu else None
+    l = torch.zeros((B, H, n, 1), dtype=storage_dtype(policy.stats), device=device)
+    acc = torch.zeros((B, H, n, Dv), dtype=storage_dtype(policy.o_accum), device=device)
+    acc_hp = torch.zeros((B, H, n, Dv), dtype=hp_fmt.torch_dtype, device=device) if hp_fmt is not None else None
+    return m, m_u, l, acc, acc_hp
+
+
+def _tile_exp_gpu(gpu, u, row_max, m, m_new, m_u):
+    """P of a visible tile in a GPU exp2 form, from its scores ``u`` (raw where the form reads
+    them): (P, the rescale of the old state, the new m_u). The kernel shifts by its own row max,
+    unless a stabilizer moved m_new above the plain max."""
+    plain = m_new == torch.maximum(row_max, m)
+    m_u_new = torch.where(plain, torch.maximum(m_u, u.amax(dim=-1, keepdim=True)), gpu.units(m_new))
+    m_u_safe = torch.where(torch.isneginf(m_u_new), torch.zeros_like(m_u_new), m_u_new)
+    return gpu.p(u, m_u_safe), gpu.rescale(m_u, m_u_safe), m_u_new
+
+
+def _visible_scores(ops, q, k, bias, tile, scale: float, policy: PrecisionPolicy, softcap, gpu, th, fill):
+    """A tile's scores S (B, H, n, bk), its hidden entries set to ``fill``, and the raw scores a GPU
+    exp2 form reads (None unless ``gpu.raw``), likewise filled."""
+    q0, q1, k0, k1 = tile
+    raw = None
+    if gpu is not None and gpu.raw:
+        s, _, raw = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap, want_raw=True)
+    else:
+        s, _ = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap)  # (B, H, n, bk)
+    if th is not None:
+        th.fill_(s, fill)
+        if raw is not None:
+            th.fill_(raw, fill)
+    return s, raw
+
+
+def _tile_exp_(s, m_safe, th, fill, policy: PrecisionPolicy):
+    """P = exp(S - m) of a visible tile in the policy's exp (hidden entries 0); consumes ``s``."""
+    x = _rounded(s.sub_(m_safe), policy.scores)
+    x_fast = _fast_exp_columns(x, policy)
+    if th is None or fill == float("-inf"):
+        p_full = _exp_hidden_(x, th, m_safe, policy.scores)
+    else:
+        # a finite fill gives exp(0) = 1 in fully masked rows: the hidden entries are set
+        # to 0 after exp, so what exp gives there does not matter (0 in: no slow path)
+        if _slow_exp(x, policy.scores):
+            th.fill_(x, 0.0)
+        p_full = th.fill_(_rounded(x.exp_(), policy.scores), 0.0)
+    if x_fast is not None:
+        p_full[..., :x_fast.shape[-1]] = fexp_u20(x_fast)
+        if th is not None:
+            th.fill_(p_full, 0.0)
+    return p_full
+
+
+def _tile_row_sum(pbar, p_full, policy: PrecisionPolicy):
+    """A tile's row sum of P in the statistics format: of Pbar where the policy sums the rounded
+    operand (row_sum_rounded), with the policy's floor (row_sum_floor) if it has one."""
+    tile_sum = rowsum(pbar if policy.row_sum_rounded else p_full, policy.stats)
+    if policy.row_sum_floor is not None:
+        tile_sum = _rounded(tile_sum.clamp_(min=policy.row_sum_floor), policy.stats)
+    return tile_sum
+
+
+def _finish_rows(acc, l, m, m_u, acc_hp, policy: PrecisionPolicy, gpu, dropout):
+    """A query tile's (O in policy.output, lse in policy.lse, the high-precision O or None) from its
+    final state: O = acc / l (rows with every key masked: O = 0, lse = +inf, so that backward P = 0)."""
+    stats, acc_fmt = policy.stats, policy.o_accum
+    empty = l == 0
+    l_safe = torch.where(empty, torch.ones_like(l), l)
+    if policy.normalize == "reciprocal":  # one rounding of 1 / l, then one of the product
+        o = cast(acc * cast(l_safe.reciprocal(), stats), acc_fmt)
+    else:
+        o = cast(acc / l_safe, acc_fmt)
+    if dropout is not None:
+        o = cast(o * dropout.scale, acc_fmt)
+    o = _Hidden(empty).fill_(o, 0.0)  # o is a fresh tensor
+    if gpu is not None:
+        lse = cast(gpu.lse(m_u, l), policy.lse)
+    else:
+        lse = cast(cast(torch.log(l), policy.lse) + m, policy.lse)
+    o_hp = None
+    if acc_hp is not None:
+        lw = l.to(acc_hp.dtype)
+        o_hp = acc_hp / torch.where(empty, torch.ones_like(lw), lw)
+        if dropout is not None:
+            o_hp = o_hp * dropout.scale
+        o_hp = _Hidden(empty).fill_(o_hp, 0.0)  # a fresh tensor
+    return cast(o, policy.output), lse.masked_fill(empty, float("inf")), o_hp
+
+
 def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: PrecisionPolicy,
                   stabilizer: Stabilizer, block_q: int, block_k: int, keep_highp_o: bool = False,
                   softcap: float | None = None, observe=None, dropout: TileDropout | None = None):
@@ -369,15 +463,11 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
     hp_fmt = FP64 if storage_dtype(acc_fmt) == torch.float64 else FP32
     ops = _Operands()
     gpu = _exp2_steps(policy, scale, bias, softcap)
-    o_tiles, lse_tiles, hp_tiles = [], [], []
+    rows = []   # per query tile: (O, lse, high-precision O or None)
     for q0, q1 in tile_ranges(Tq, block_q):
         n = q1 - q0
-        m = torch.full((B, H, n, 1), m_init, dtype=storage_dtype(stats), device=q.device)
-        # a GPU exp2 form's own running shift, in its exponent's input units (fp32)
-        m_u = torch.full((B, H, n, 1), float("-inf"), device=q.device) if gpu is not None else None
-        l = torch.zeros((B, H, n, 1), dtype=storage_dtype(stats), device=q.device)
-        acc = torch.zeros((B, H, n, Dv), dtype=storage_dtype(acc_fmt), device=q.device)
-        acc_hp = torch.zeros((B, H, n, Dv), dtype=hp_fmt.torch_dtype, device=q.device) if keep_highp_o else None
+        m, m_u, l, acc, acc_hp = _initial_rows((B, H, n, Dv), m_init, policy, gpu is not None,
+                                               hp_fmt if keep_highp_o else None, q.device)
         for k0, k1 in tile_ranges(Tk, block_k):
             fully_hidden = causal and k0 > q1 - 1
             if fully_hidden and not policy.visit_masked_tiles:
@@ -388,20 +478,12 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
                 # values (at least two if the tile has two keys), and it adds the row-sum floor.
                 # A tile of min(2, keys) fill values makes every stabilizer decide the same and
                 # costs nothing; its Pbar is all zero, so PV is zero.
-                th = None
+                th = raw = None
                 s = torch.full((B, H, n, min(2, k1 - k0)), fill, dtype=storage_dtype(policy.scores),
                                device=q.device)
             else:
                 th = _tile_hidden(hide, causal, q0, q1, k0, k1, q.device)
-                raw = None
-                if gpu is not None and gpu.raw:
-                    s, _, raw = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap, want_raw=True)
-                else:
-                    s, _ = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap)  # (B, H, n, bk)
-                if th is not None:
-                    th.fill_(s, fill)
-                    if raw is not None:
-                        th.fill_(raw, fill)
+                s, raw = _visible_scores(ops, q, k, bias, (q0, q1, k0, k1), scale, policy, softcap, gpu, th, fill)
             row_max = s.amax(dim=-1, keepdim=True)
             m_new = torch.maximum(stabilizer.shift(s, row_max, policy), m)
             # rows with nothing visible yet (all -inf) shift by 0 so that exp gives 0, not NaN
@@ -412,33 +494,11 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
             if fully_hidden:
                 p_full = torch.zeros_like(s)  # exp(fill - m) underflows, or is masked, everywhere
             elif gpu is not None:
-                # the kernel's shift: its own row max, unless a stabilizer moved m_new above the plain max
-                u = raw if raw is not None else s
-                plain = m_new == torch.maximum(row_max, m)
-                m_u_new = torch.where(plain, torch.maximum(m_u, u.amax(dim=-1, keepdim=True)), gpu.units(m_new))
-                m_u_safe = torch.where(torch.isneginf(m_u_new), torch.zeros_like(m_u_new), m_u_new)
-                p_full = gpu.p(u, m_u_safe)
-                f_gpu = gpu.rescale(m_u, m_u_safe)
-                m_u = m_u_new
+                p_full, f_gpu, m_u = _tile_exp_gpu(gpu, raw if raw is not None else s, row_max, m, m_new, m_u)
             else:
-                x = _rounded(s.sub_(m_safe), policy.scores)  # consumes s
-                x_fast = _fast_exp_columns(x, policy)
-                if th is None or fill == float("-inf"):
-                    p_full = _exp_hidden_(x, th, m_safe, policy.scores)
-                else:
-                    # a finite fill gives exp(0) = 1 in fully masked rows: the hidden entries are set
-                    # to 0 after exp, so what exp gives there does not matter (0 in: no slow path)
-                    if _slow_exp(x, policy.scores):
-                        th.fill_(x, 0.0)
-                    p_full = th.fill_(_rounded(x.exp_(), policy.scores), 0.0)
-                if x_fast is not None:
-                    p_full[..., :x_fast.shape[-1]] = fexp_u20(x_fast)
-                    if th is not None:
-                        th.fill_(p_full, 0.0)
+                p_full = _tile_exp_(s, m_safe, th, fill, policy)  # consumes s
             pbar = pbar_operand(p_full, policy)
-            tile_sum = rowsum(pbar if policy.row_sum_rounded else p_full, stats)
-            if policy.row_sum_floor is not None:
-                tile_sum = _rounded(tile_sum.clamp_(min=policy.row_sum_floor), stats)
+            tile_sum = _tile_row_sum(pbar, p_full, policy)
             if dropout is not None and not fully_hidden:  # after l took the undropped row sum
                 pbar = torch.where(dropout.keep(q0, q1, k0, k1), pbar, 0.0)  # zeroing is exact in any format
             if fully_hidden:
@@ -457,32 +517,12 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
                 if not fully_hidden:
                     acc_hp = acc_hp + ops.mm(pbar, v_tile, hp_fmt)
             m = m_new
-        empty = l == 0  # every key masked: output 0 and lse = +inf (so that backward P = 0)
-        l_safe = torch.where(empty, torch.ones_like(l), l)
-        if policy.normalize == "reciprocal":  # one rounding of 1 / l, then one of the product
-            o = cast(acc * cast(l_safe.reciprocal(), stats), acc_fmt)
-        else:
-            o = cast(acc / l_safe, acc_fmt)
-        if dropout is not None:
-            o = cast(o * dropout.scale, acc_fmt)
-        o = _Hidden(empty).fill_(o, 0.0)  # o is a fresh tensor
-        o_tiles.append(cast(o, policy.output))
-        if gpu is not None:
-            lse = cast(gpu.lse(m_u, l), policy.lse)
-        else:
-            lse = cast(cast(torch.log(l), policy.lse) + m, policy.lse)
-        lse_tiles.append(lse.masked_fill(empty, float("inf")))
-        if acc_hp is not None:
-            lw = l.to(acc_hp.dtype)
-            o_hp_i = acc_hp / torch.where(empty, torch.ones_like(lw), lw)
-            if dropout is not None:
-                o_hp_i = o_hp_i * dropout.scale
-            hp_tiles.append(_Hidden(empty).fill_(o_hp_i, 0.0))  # a fresh tensor
-    o_hp = _cat(hp_tiles) if keep_highp_o else None
-    return _cat(o_tiles), _cat(lse_tiles), o_hp
+        rows.append(_finish_rows(acc, l, m, m_u, acc_hp, policy, gpu, dropout))
+    o_tiles, lse_tiles, hp_tiles = zip(*rows)
+    return _cat(o_tiles), _cat(lse_tiles), _cat(hp_tiles) if keep_highp_o else None
 
 
-def _cat(tiles: list) -> torch.Tensor:
+def _cat(tiles) -> torch.Tensor:
     """The tiles joined along the rows; one tile is returned as it is (torch.cat would copy it)."""
     return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-2)
 
