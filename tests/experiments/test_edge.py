@@ -75,7 +75,7 @@ def test_presets_are_checked():
         EdgePreset("x", "micro", (0.1,), (FP32, PAPER), (Claim("E9", "t", "nope", "paper", "fewer"),), 10, (1,))
     with pytest.raises(ValueError, match="no edge preset"):
         get_edge_preset("micro-lr")
-    assert set(EDGE_PRESETS) == {"micro-edge", "micro-edge-forward", "micro-edge-low", "micro-edge-probed",
+    assert set(EDGE_PRESETS) == {"micro-edge", "micro-edge-demo", "micro-edge-forward", "micro-edge-low", "micro-edge-probed",
                                  "micro-edge-smoke"}
     assert "train.update_entropy_every=1" in get_edge_preset("micro-edge-probed").probes
 

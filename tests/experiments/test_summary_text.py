@@ -188,16 +188,21 @@ def test_demo_console_starts_with_what_runs_and_ends_with_the_summary(tmp_path, 
     monkeypatch.setattr(data, "prepare_embedded", lambda *a, **k: pytest.fail("corpus is there"))
     monkeypatch.setattr(lab_pkg, "run_lab", lambda **kw: lab)
     monkeypatch.setattr(lab_report, "write_lab", lambda result, d: None)
+    import flashguard.experiments.edge as edge_pkg
     import flashguard.experiments.injection as injection_pkg
     monkeypatch.setattr(repro_pkg, "run_repro", lambda *a, **kw: _repro_folder(out, lab))
     monkeypatch.setattr(injection_pkg, "run_injection", lambda *a, **kw: _injection("held"))
+    edge = {"by_lr": [{"lr": 0.139, "arms": [{"arm": "paper", "label": "paper", "diverged": 2, "finished": 2}]}]}
+    monkeypatch.setattr(edge_pkg, "run_edge", lambda *a, **kw: edge)
     lines = []
     res = run_demo(out, data_dir=tmp_path / "data", steps=20, progress=False, log=lines.append)
     text = " ".join("\n".join(lines).split())
     assert text.startswith("flashguard demo: the rounding-bias lab, then matched training runs of the tiny-cpu "
                            "model (20 steps each), then a report. No explosion is expected at this length")
     start = text.index("Summary -------")
-    assert text.index("[4/5] causal comparison") < text.index("[5/5] report") < start < text.index("demo done in")
+    assert text.index("[4/6] causal comparison") < text.index("[5/6] edge attribution") < text.index("[6/6] report") \
+        < start < text.index("demo done in")
+    assert "paper 2/2 diverged (2 seeds decide nothing)" in text
     summary = text[start:]
     assert "`paper` (the study's reference code: every intermediate bf16): use precision=\"paper-fp32fwd\"" in summary
     assert "`fa2` (" in summary and "no fix needed" in summary

@@ -14,7 +14,7 @@ def add(sub, values: str):
         "repro", help="the study's claims as matched training runs, with verdicts",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=wrap("Trains a preset's matched runs (same seed, same batches): fp32 attention, the "
-                         "reference arithmetic with no fix, the study's fix, safe, and the study's localisation "
+                         "reference arithmetic with no fix, the study's fix, paper-fp32fwd, and the study's localisation "
                          "ablations; judges claims C1-C6, C8 (held / not held / inconclusive, with the numbers "
                          "behind each) into OUT/claims.md and OUT/repro.json. Resumable: rerun the same command."))
     add_repro_arguments(p)

@@ -9,7 +9,7 @@ NAME, OVERRIDES = "showcase", False
 def add(sub, values: str):
     return sub.add_parser("showcase", help="the first look (seconds): tie-induced rounding bias per arithmetic and its fixes",
                           description=wrap("One lab problem (1,024 rows with 8 keys tied at the maximum) through the "
-                                           "reference arithmetic with no fix, the study's fix and safe, paper-fp32fwd "
+                                           "reference arithmetic with no fix and with the study's fix, paper-fp32fwd "
                                            "and production fa2: the lean of O and delta beyond the fp32 noise floor, "
                                            "with z. Writes nothing."))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import textwrap
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,6 +76,7 @@ def fix_arguments(label: str) -> tuple[str, str]:
     ("paper", "paper:beta=7,tol=0.001")). Checked by rebuilding the arithmetic: the arguments
     must give back the same label, so a recipe cannot name a different arithmetic than the lab
     measured (ValueError otherwise)."""
+    from ...attention.options import RetiredStabilizerWarning
     from ...attention.trace import Arithmetic
     prec, sep, stab = label.partition(" / ")
     if not sep:
@@ -82,7 +84,9 @@ def fix_arguments(label: str) -> tuple[str, str]:
     m = _STAB.match(stab)
     stab_arg = f"{m['name']}:{m['opts']}" if m else stab
     try:
-        rebuilt = Arithmetic.of(prec, stab_arg).label()
+        with warnings.catch_warnings():  # the lab's record may name the retired 'safe': checked, not run
+            warnings.simplefilter("ignore", RetiredStabilizerWarning)
+            rebuilt = Arithmetic.of(prec, stab_arg).label()
     except (ValueError, TypeError) as e:
         raise ValueError(f"lab arithmetic label {label!r}: {e}") from None
     if rebuilt != label:
