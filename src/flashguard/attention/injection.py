@@ -188,26 +188,36 @@ class InjectionClock:
         return self.step, call
 
 
-class DeltaHook:
+class _Hook:
+    """What both hooks hold: the injection (checked: its point is the hook's), the layer, the
+    shared clock and the observer."""
+
+    point = ""
+
+    def __init__(self, injection: ErrorInjection, layer: int = 0, clock: InjectionClock | None = None,
+                 observer=None):
+        if not isinstance(injection, ErrorInjection):
+            raise TypeError(f"injection must be an ErrorInjection, got {type(injection).__name__}")
+        if injection.point != self.point:
+            other = "OutputHook" if injection.point == "o" else "DeltaHook"
+            raise ValueError(f"{type(self).__name__} injects at point {self.point}; this injection's point is "
+                             f"{injection.point!r} ({other})")
+        self.injection, self.layer = injection, int(layer)
+        self.clock = clock if clock is not None else InjectionClock()
+        self.observer = observer
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.injection.short_str()}, layer={self.layer})"
+
+
+class DeltaHook(_Hook):
     """The callable ``flash_backward(..., delta_hook=)`` receives: replaces one layer's delta.
 
     ``hook(delta, q=, k=, v=, do=, keep=, bias=, causal=, scale=, softcap=)`` -> the new delta.
     ``observer``, if given, is called as ``observer(layer=, step=, call=, delta_lp=, delta_ref=,
     e=, injected=)`` (fp64 tensors) after each call: the tests read the rule's effect there."""
 
-    def __init__(self, injection: ErrorInjection, layer: int = 0, clock: InjectionClock | None = None,
-                 observer=None):
-        if not isinstance(injection, ErrorInjection):
-            raise TypeError(f"injection must be an ErrorInjection, got {type(injection).__name__}")
-        if injection.point != "delta":
-            raise ValueError(f"DeltaHook injects at point delta; this injection's point is {injection.point!r} "
-                             "(OutputHook)")
-        self.injection, self.layer = injection, int(layer)
-        self.clock = clock if clock is not None else InjectionClock()
-        self.observer = observer
-
-    def __repr__(self) -> str:
-        return f"DeltaHook({self.injection.short_str()}, layer={self.layer})"
+    point = "delta"
 
     def __call__(self, delta, *, q, k, v, do, keep, bias, causal, scale, softcap):
         inj = self.injection
@@ -224,7 +234,7 @@ class DeltaHook:
         return new.to(torch.promote_types(delta.dtype, torch.float32))  # fp32, or fp64 storage
 
 
-class OutputHook:
+class OutputHook(_Hook):
     """The callable the forward pass hands its O to (``point = "o"``): replaces one layer's O.
 
     ``hook(o, q=, k=, v=, keep=, bias=, causal=, scale=, softcap=, fmt=)`` -> the new O, in o's
@@ -232,19 +242,7 @@ class OutputHook:
     ``observer(layer=, step=, call=, o_lp=, o_ref=, e=, injected=)`` as DeltaHook's (fp64; ``injected``
     after the final rounding)."""
 
-    def __init__(self, injection: ErrorInjection, layer: int = 0, clock: InjectionClock | None = None,
-                 observer=None):
-        if not isinstance(injection, ErrorInjection):
-            raise TypeError(f"injection must be an ErrorInjection, got {type(injection).__name__}")
-        if injection.point != "o":
-            raise ValueError(f"OutputHook injects at point o; this injection's point is {injection.point!r} "
-                             "(DeltaHook)")
-        self.injection, self.layer = injection, int(layer)
-        self.clock = clock if clock is not None else InjectionClock()
-        self.observer = observer
-
-    def __repr__(self) -> str:
-        return f"OutputHook({self.injection.short_str()}, layer={self.layer})"
+    point = "o"
 
     def __call__(self, o, *, q, k, v, keep, bias, causal, scale, softcap, fmt):
         inj = self.injection

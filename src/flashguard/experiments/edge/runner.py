@@ -22,19 +22,15 @@ from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
 from ...utils.atomic import atomic_write_text
 from ..lr_sensitivity.analysis import run_outcome
 from ..lr_sensitivity.presets import GRID_KEYS, lr_name, run_spec
-from ..lr_sensitivity.runner import _common, _drop_checkpoints, warmup_steps
+from ..lr_sensitivity.runner import _common, _run_dir, train_grid, warmup_steps
 from ..repro.presets import config_path, get_preset
-from ..repro.runner import _versions, markdown_footer, train_run
+from ..repro.runner import _versions, markdown_footer
 from .analysis import arm_summary, judge_claims, rules_text
 from .figures import survival_curves
 from .presets import EdgePreset
 from .sizes import injected_error_sizes
 
 __all__ = ["run_edge", "edge_markdown"]
-
-
-def _run_dir(out: Path, seed: int, arm: str, lr: float) -> Path:
-    return out / "runs" / f"s{seed}" / arm / lr_name(lr)
 
 
 def _check_overrides(overrides) -> None:
@@ -62,18 +58,9 @@ def run_edge(preset: EdgePreset, out: str | Path, *, seeds=None, steps: int | No
         raise ValueError(f"--seeds: repeated seed in {seeds}")
     t0 = time.perf_counter()
     sizes = _sizes(out, base, common, preset, seeds[0], log)
-    n, i = len(seeds) * len(preset.arms) * len(preset.lrs), 0
-    for seed in seeds:
-        for lr in preset.lrs:
-            for a in preset.arms:
-                i += 1
-                spec = run_spec(a, lr, seed)
-                d = _run_dir(out, seed, a.name, lr)
-                log(f"[{i}/{n}] seed {seed} {spec.title}")
-                if train_run(spec, base, common, steps, d, log):
-                    if not keep_checkpoints:
-                        _drop_checkpoints(d, steps)
-                    _write(out, preset, seeds, steps, common, sizes)  # survives an interrupt
+    grid = [(seed, a, lr) for seed in seeds for lr in preset.lrs for a in preset.arms]
+    train_grid(grid, out, base, common, steps, log, keep_checkpoints=keep_checkpoints,
+               after=lambda: _write(out, preset, seeds, steps, common, sizes))
     result = _write(out, preset, seeds, steps, common, sizes)
     result["wall_s"] = time.perf_counter() - t0
     return result

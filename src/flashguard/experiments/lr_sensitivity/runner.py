@@ -32,7 +32,7 @@ from .analysis import (FINAL_WINDOW, curve, judge_fix, judge_harm, mean_curve, c
 from .figures import lr_curves
 from .presets import GRID_KEYS, WARMUP_FRACTION, LRPreset, lr_name, run_spec
 
-__all__ = ["run_lr_sensitivity", "lr_markdown", "warmup_steps"]
+__all__ = ["run_lr_sensitivity", "lr_markdown", "warmup_steps", "train_grid"]
 
 
 def warmup_steps(steps: int) -> int:
@@ -81,22 +81,27 @@ def run_lr_sensitivity(preset: LRPreset, out: str | Path, *, seeds=None, steps: 
     if len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds: repeated seed in {seeds}")
     t0 = time.perf_counter()
-    n = len(seeds) * len(preset.arithmetics) * len(preset.lrs)
-    i = 0
-    for seed in seeds:
-        for a in preset.arithmetics:
-            for lr in preset.lrs:
-                i += 1
-                spec = run_spec(a, lr, seed)
-                d = _run_dir(out, seed, a.name, lr)
-                log(f"[{i}/{n}] seed {seed} {spec.title}")
-                if train_run(spec, base, common, steps, d, log):
-                    if not keep_checkpoints:
-                        _drop_checkpoints(d, steps)
-                    _write(out, preset, seeds, steps, common)  # survives an interrupt
+    grid = [(seed, a, lr) for seed in seeds for a in preset.arithmetics for lr in preset.lrs]
+    train_grid(grid, out, base, common, steps, log, keep_checkpoints=keep_checkpoints,
+               after=lambda: _write(out, preset, seeds, steps, common))
     result = _write(out, preset, seeds, steps, common)
     result["wall_s"] = time.perf_counter() - t0
     return result
+
+
+def train_grid(grid, out: Path, base, common, steps: int, log, *, keep_checkpoints: bool, after) -> None:
+    """Train every (seed, arithmetic, lr) of ``grid`` in order into OUT/runs/s<SEED>/<NAME>/lr<LR>
+    (the repro's train_run: finished runs skipped, interrupted ones resumed), dropping a finished
+    run's checkpoints unless kept, and calling ``after()`` after each run that trained, so the
+    results survive an interrupt. Shared by the LR and edge experiments."""
+    for i, (seed, a, lr) in enumerate(grid, 1):
+        spec = run_spec(a, lr, seed)
+        d = _run_dir(out, seed, a.name, lr)
+        log(f"[{i}/{len(grid)}] seed {seed} {spec.title}")
+        if train_run(spec, base, common, steps, d, log):
+            if not keep_checkpoints:
+                _drop_checkpoints(d, steps)
+            after()
 
 
 def _drop_checkpoints(run_dir: Path, steps: int) -> None:
