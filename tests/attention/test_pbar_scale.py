@@ -99,7 +99,7 @@ def test_the_triton_kernels_refuse_a_scaled_pbar_by_name():
 
 
 def test_the_lab_tries_the_scaled_pbar_on_fp8_only_and_files_it_under_its_arithmetic():
-    from flashguard.experiments.lab.experiments import fix_candidates, fix_family
+    from flashguard.experiments.lab.candidates import fix_candidates, fix_family
     for fmt in ("e4m3", "e5m2"):
         labels = [a.label() for a in fix_candidates(f"fa2-{fmt}")]
         # the preset first: an answer names its first remover, and the row sum alone leans on real inputs

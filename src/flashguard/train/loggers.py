@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import keys
+from ..utils.jsonl import JsonlLog
 
 __all__ = ["RunLogger", "JsonlMetrics", "TensorBoardMetrics", "WandbMetrics", "Console", "Loggers", "run_logger"]
 
@@ -39,7 +40,6 @@ class JsonlMetrics(RunLogger):
     """metrics.jsonl: one JSON object per kept record, appended and flushed per line."""
 
     def __init__(self, path: Path):
-        from .loop import JsonlLog
         self._log = JsonlLog(path)
 
     def metrics(self, record: dict) -> None:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .. import keys
 from ..utils.atomic import atomic_write_text
-from ..utils.jsonl import read_jsonl
+from ..utils.jsonl import JsonlLog
 from .checkpoint import latest_checkpoint
 from .checkpointer import Checkpointer
 from .config import ConfigError, RunConfig, save_config
@@ -54,32 +54,6 @@ class TrainResult:
     diverged: bool
     last_loss: float
     best_val: float | None
-
-
-class JsonlLog:
-    """Append-only JSON-lines log, flushed per line (a kill loses nothing written before)."""
-
-    def __init__(self, path: Path, enabled: bool = True):
-        self.path, self.enabled = Path(path), enabled
-        self._f = open(self.path, "a") if enabled else None
-
-    def write(self, record: dict) -> None:
-        if self._f:
-            self._f.write(json.dumps(record) + "\n")
-            self._f.flush()
-
-    def close(self) -> None:
-        if self._f:
-            self._f.close()
-
-    read = staticmethod(read_jsonl)  # records in file order; [] for a missing file
-
-    @staticmethod
-    def truncate_after(path: Path, step: int) -> None:
-        """Keep the records of steps <= ``step`` (the ones a resumed run will not redo)."""
-        if Path(path).exists():
-            kept = [r for r in JsonlLog.read(path) if r.get("step", -1) <= step]
-            atomic_write_text(Path(path), "".join(json.dumps(r) + "\n" for r in kept))
 
 
 def _setup_distributed(device_pref: str):

@@ -1,10 +1,13 @@
-"""The one reader of the package's JSON-lines logs (a run's metrics.jsonl and batches.jsonl)."""
+"""The package's JSON-lines logs (a run's metrics.jsonl and batches.jsonl): the one reader and
+the one append-only writer."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-__all__ = ["read_jsonl", "read_metrics"]
+from .atomic import atomic_write_text
+
+__all__ = ["read_jsonl", "read_metrics", "JsonlLog"]
 
 
 def read_jsonl(path, *, missing_ok: bool = True) -> list[dict]:
@@ -28,3 +31,29 @@ def read_metrics(path) -> list[dict]:
     FileNotFoundError when there is none."""
     p = Path(path)
     return read_jsonl(p / "metrics.jsonl" if p.is_dir() else p, missing_ok=False)
+
+
+class JsonlLog:
+    """Append-only JSON-lines log, flushed per line (a kill loses nothing written before)."""
+
+    def __init__(self, path: Path, enabled: bool = True):
+        self.path, self.enabled = Path(path), enabled
+        self._f = open(self.path, "a") if enabled else None
+
+    def write(self, record: dict) -> None:
+        if self._f:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if self._f:
+            self._f.close()
+
+    read = staticmethod(read_jsonl)  # records in file order; [] for a missing file
+
+    @staticmethod
+    def truncate_after(path: Path, step: int) -> None:
+        """Keep the records of steps <= ``step`` (the ones a resumed run will not redo)."""
+        if Path(path).exists():
+            kept = [r for r in JsonlLog.read(path) if r.get("step", -1) <= step]
+            atomic_write_text(Path(path), "".join(json.dumps(r) + "\n" for r in kept))

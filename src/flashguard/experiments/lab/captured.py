@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ...diagnostics.sdpa_capture import SdpaCapture
+from .candidates import judge_candidates
 from .measure import Bench, Measurement
 
 __all__ = ["CapturedProblem", "from_run", "record_sdpa", "SdpaRecorder", "run_captured"]
@@ -117,7 +118,6 @@ def record_sdpa(limit: int | None = None):
 
 def run_captured(problems: list[CapturedProblem], policies, *, bench: Bench | None = None, progress=None) -> dict:
     """Each policy without a fix and with the lab's candidate fixes on each captured problem."""
-    from .experiments import judge_candidates
 
     bench = bench or Bench()
     say = progress or (lambda msg: None)

@@ -7,7 +7,8 @@ from pathlib import Path
 from ...attention.error_stats import BIAS_RATIO_MIN, Z_CRIT
 from ...utils.atomic import atomic_write_text
 from ...utils.plotting import pyplot, save_png
-from .experiments import DECOMPOSITION, FORMAT_POLICIES, fix_family
+from .candidates import FORMAT_POLICIES, fix_family
+from .experiments import DECOMPOSITION
 
 __all__ = ["write_lab", "render_markdown", "TITLES"]
 

@@ -17,7 +17,7 @@ from ... import keys
 from ...diagnostics.across_probes import ACROSS_PROBES_UNIT
 from ...diagnostics.census_table import LAYER_COLUMNS, census_from_records, census_legend, over_training
 from .load import Run, Study
-from .write import Table, fmt
+from .table import Table, fmt
 
 __all__ = ["run_census", "census_blocks"]
 

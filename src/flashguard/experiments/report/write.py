@@ -9,11 +9,11 @@ from __future__ import annotations
 import base64
 import datetime
 import html
-import math
-from dataclasses import dataclass
 from pathlib import Path
 
 from .figures import Figure
+from .table import Table, fmt
+from .census_section import census_blocks
 from .load import Study
 
 __all__ = ["Table", "build_document", "render_markdown", "render_html"]
@@ -21,29 +21,9 @@ __all__ = ["Table", "build_document", "render_markdown", "render_html"]
 VERDICTS = ("held", "not held", "inconclusive", "present", "weak", "absent")  # claims', then the census's
 
 
-@dataclass
-class Table:
-    header: list[str]
-    rows: list[list[str]]
-    verdict_col: int | None = None  # this column's cells are verdicts (coloured in HTML)
-
-
 # blocks: ("h1" | "h2" | "p", text), ("list", [text]), ("code", text), ("table", Table),
 # ("figure", Figure, src relative to out)
 Block = tuple
-
-
-def fmt(x) -> str:
-    """A table cell: "-" for absent, 4 significant digits for floats, non-finite spelled out."""
-    if x is None or x == "":
-        return "-"
-    if isinstance(x, float):
-        return str(x) if not math.isfinite(x) else f"{x:.4g}"
-    if isinstance(x, dict):
-        return ", ".join(f"{k}={fmt(v)}" for k, v in x.items())
-    if isinstance(x, (list, tuple)):
-        return "; ".join(fmt(v) for v in x)
-    return str(x)
 
 
 def _produced_by(study: Study) -> str:
@@ -125,7 +105,6 @@ def build_document(study: Study, figures: list[Figure], skipped: list[str], lab_
         doc += [("figure", f, f.path.relative_to(out).as_posix()) for f in figures]
         if skipped:
             doc.append(("list", skipped))
-        from .census_section import census_blocks
         doc += census_blocks(study)
     doc.append(("h2", "Lab: the arithmetic facts"))
     if study.lab is None:
