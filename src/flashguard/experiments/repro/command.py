@@ -101,13 +101,18 @@ def _seeds(text: str | None) -> list[int] | None:
     return seeds
 
 
-def _run_edge_command(args) -> int:
-    from ..edge import get_edge_preset, run_edge
+def _refuse_claims_options(args, experiment: str) -> None:
+    """--claims, --remedies and --runs name what the claims, early-warning and natural experiments
+    read; an experiment that trains its own grid refuses them by name."""
     wrong = [n for n, v in (("--claims", args.claims), ("--remedies", args.remedies or None), ("--runs", args.runs))
              if v is not None]
     if wrong:
-        raise ValueError(f"{', '.join(wrong)}: not for --experiment edge (it trains its own arms and judges claims "
-                         "E0-E10)")
+        raise ValueError(f"{', '.join(wrong)}: not for --experiment {experiment}")
+
+
+def _run_edge_command(args) -> int:
+    from ..edge import get_edge_preset, run_edge
+    _refuse_claims_options(args, "edge (it trains its own arms and judges claims E0-E10)")
     result = run_edge(get_edge_preset(args.preset or "micro-edge"), args.out, seeds=_seeds(args.seeds),
                       steps=args.steps, overrides=args.overrides)
     for block in result["by_lr"]:
@@ -122,11 +127,8 @@ def _run_edge_command(args) -> int:
 
 def _run_lr_sensitivity_command(args) -> int:
     from ..lr_sensitivity import get_lr_preset, run_lr_sensitivity
-    wrong = [n for n, v in (("--claims", args.claims), ("--remedies", args.remedies or None), ("--runs", args.runs))
-             if v is not None]
-    if wrong:
-        raise ValueError(f"{', '.join(wrong)}: not for --experiment lr-sensitivity (it trains its own lr grid; "
-                         "--claims and --remedies are for claims, --runs for early-warning and natural)")
+    _refuse_claims_options(args, "lr-sensitivity (it trains its own lr grid; --claims and --remedies are for "
+                                 "claims, --runs for early-warning and natural)")
     result = run_lr_sensitivity(get_lr_preset(args.preset or "tiny-cpu"), args.out, seeds=_seeds(args.seeds),
                                 steps=args.steps, overrides=args.overrides)
     for m in result["means"]:
