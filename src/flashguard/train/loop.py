@@ -36,7 +36,7 @@ from .divergence import LossWatch
 from .evaluator import Evaluator, last_ce
 from .hooks import RunInfo, StepInfo, TrainHook
 from .loggers import run_logger
-from .sampling import Batches, load_replay
+from .sampling import Batches, batch_sampler, load_replay
 from .schedule import learning_rate
 
 __all__ = ["train", "Trainer", "TrainResult", "EXIT_OK", "EXIT_CONFIG", "EXIT_DIVERGED", "JsonlLog", "build_model", "gpt_config"]
@@ -186,7 +186,7 @@ class Trainer:
         _check_batch_split(cfg, self.world)
         self.data = _open_data(cfg)
         self._build_model()
-        sampler = torch.Generator().manual_seed(cfg.train.seed + 1)
+        sampler = batch_sampler(cfg)
         self.checkpointer = Checkpointer(cfg, self.run_dir, model=self.raw_model, optimizer=self.optimizer,
                                          sampler=sampler, device=self.device, world=self.world, main=self.main)
         state, resumed_from = self._start_or_resume(resume)

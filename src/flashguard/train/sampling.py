@@ -9,7 +9,13 @@ import torch
 from ..utils.jsonl import read_jsonl
 from .config import ConfigError, load_config
 
-__all__ = ["Batches", "load_replay"]
+__all__ = ["Batches", "load_replay", "batch_sampler"]
+
+
+def batch_sampler(cfg) -> torch.Generator:
+    """The generator a run draws its batches from: seeded from train.seed (+ 1, apart from the
+    model's initialisation), so every run of a seed sees the same batches."""
+    return torch.Generator().manual_seed(cfg.train.seed + 1)
 
 
 def load_replay(replay: str | Path, cfg) -> dict[int, list[int]]:

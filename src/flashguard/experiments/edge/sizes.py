@@ -17,6 +17,7 @@ from ...data import TokenDataset
 from ...train import load_config
 from ...train.injection import install_injection
 from ...train.loop import build_model
+from ...train.sampling import Batches, batch_sampler
 
 __all__ = ["injected_error_sizes"]
 
@@ -48,8 +49,7 @@ def injected_error_sizes(base, common, arm, seed: int) -> dict | None:
     clock = install_injection(model, cfg, observer=observe)
     clock.begin_step(0)
     block = model.config.block_size
-    sampler = torch.Generator().manual_seed(cfg.train.seed + 1)  # the loop's batch order
-    idx = data.sample_indices("train", cfg.data.batch_size, block, sampler, doc_starts=cfg.data.doc_starts)
+    idx = Batches(cfg, data, batch_sampler(cfg), block, log=None).indices(0)  # the run's first batch
     x, y = data.batch("train", idx, block)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train.autocast == "bf16"):
         _, loss = model(x, y)
