@@ -160,6 +160,14 @@ EDGE_PRESETS: dict[str, EdgePreset] = {p.name: p for p in (
                claims=tuple(c for c in CLAIMS if c.id in ("E0", "E5", "E9")), steps=1000, seeds=(1, 2),
                about="the demo's small sample of micro-edge (2 seeds, 4 arms: fp32, paper, paper with delta exact, "
                      "fa2); verdicts from 2 seeds decide nothing (docs/edge has 10 seeds a arm)"),
+    # the same question at tiny-cpu scale (4 layers x 256 wide, T = 256, 16 sequences a step; the LR
+    # experiment's tiny-cpu schedule of 300 steps): first where its edge lies (one seed, the top of the
+    # LR grid), then one lr with >= 5 seeds and the arms that carry micro-edge's answer
+    EdgePreset("tiny-cpu-edge-scan", "tiny-cpu", lrs=(0.0646, 0.139, 0.3), arms=(FP32, PAPER),
+               claims=(CLAIMS[0],), steps=300, seeds=(1,), eval_batches=10, checkpoint_every=50,
+               about="where tiny-cpu's edge lies: fp32 and paper at peak lrs 0.0646, 0.139 and 0.3, seed 1, "
+                     "tiny-cpu-lr's schedule (300 steps, warm-up 5 %, cosine to lr/10); one seed locates, it "
+                     "does not decide"),
     EdgePreset("micro-edge-smoke", "micro", lrs=(0.01,), arms=(FP32, PAPER, DELTA_ZERO_MEAN, O_ZERO_MEAN, SDPA),
                claims=tuple(c for c in CLAIMS if c.id in ("E0", "E1", "E3", "E10")), steps=12, seeds=(1, 2),
                eval_batches=2, checkpoint_every=6,
