@@ -16,7 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashguard.attention import flash_attention
-from flashguard.attention.flash import _exp_hidden_, _Hidden, _Operands, _tile_hidden
+from flashguard.attention.cpu_fastpaths import _exp_hidden_, _Hidden, _Operands, _Tile
+from flashguard.attention.flash import _tile_hidden
 from flashguard.numerics.arith import matmul
 from flashguard.numerics.formats import get_format
 
@@ -125,7 +126,7 @@ def plain_kernel(monkeypatch):
 
     def mm(self, a, b, fmt):  # slices of the whole conversions, into arith.matmul
         def plain(t):
-            return t.cut(self._whole(t.x, t.want)) if isinstance(t, flash._Tile) else t
+            return t.cut(self._whole(t.x, t.want)) if isinstance(t, _Tile) else t
         return matmul(plain(a), plain(b), fmt)
 
     def switch():

@@ -18,7 +18,7 @@ import torch
 
 from .formats import FloatFormat, round_to
 
-__all__ = ["storage_dtype", "cast", "emulate", "matmul", "rowsum", "rounding", "ROUNDINGS"]
+__all__ = ["storage_dtype", "cast", "emulate", "matmul", "matmul_conversion", "accumulation_dtype", "rowsum", "rounding", "ROUNDINGS"]
 
 ROUNDINGS = ("nearest", "stochastic")
 _MODE: contextvars.ContextVar[str] = contextvars.ContextVar("flashguard_rounding", default="nearest")
@@ -63,11 +63,24 @@ def matmul(a: torch.Tensor, b: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     accumulates in fp32 and rounds once). Otherwise the operands - whose values are exact in
     fp32 - are multiplied in fp32 and the result rounded to ``fmt``.
     """
-    dt = fmt.torch_dtype
-    if dt is not None and a.dtype == dt and b.dtype == dt:
+    conv = matmul_conversion(a.dtype, b.dtype, fmt)
+    if conv is None:
         return a @ b
-    wide = torch.float64 if dt == torch.float64 else torch.float32
-    return cast(a.to(wide) @ b.to(wide), fmt)
+    return cast(a.to(conv) @ b.to(conv), fmt)
+
+
+def accumulation_dtype(fmt: FloatFormat) -> torch.dtype:
+    """The wide dtype a product stored in ``fmt`` is accumulated in: fp64 for fp64, else fp32."""
+    return torch.float64 if fmt.torch_dtype == torch.float64 else torch.float32
+
+
+def matmul_conversion(a_dtype: torch.dtype, b_dtype: torch.dtype, fmt: FloatFormat) -> "torch.dtype | None":
+    """The rule of ``matmul``: None when both operands have ``fmt``'s own dtype (the native matmul),
+    else the dtype both are converted to before they are multiplied (``accumulation_dtype``)."""
+    dt = fmt.torch_dtype
+    if dt is not None and a_dtype == dt and b_dtype == dt:
+        return None
+    return accumulation_dtype(fmt)
 
 
 def rowsum(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
