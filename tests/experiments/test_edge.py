@@ -76,7 +76,7 @@ def test_presets_are_checked():
     with pytest.raises(ValueError, match="no edge preset"):
         get_edge_preset("micro-lr")
     assert set(EDGE_PRESETS) == {"micro-edge", "micro-edge-demo", "micro-edge-forward", "micro-edge-low", "micro-edge-probed",
-                                 "micro-edge-smoke", "tiny-cpu-edge-scan"}
+                                 "micro-edge-smoke", "tiny-cpu-edge", "tiny-cpu-edge-scan"}
     assert "train.update_entropy_every=1" in get_edge_preset("micro-edge-probed").probes
 
 

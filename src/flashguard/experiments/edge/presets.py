@@ -168,6 +168,15 @@ EDGE_PRESETS: dict[str, EdgePreset] = {p.name: p for p in (
                about="where tiny-cpu's edge lies: fp32 and paper at peak lrs 0.0646, 0.139 and 0.3, seed 1, "
                      "tiny-cpu-lr's schedule (300 steps, warm-up 5 %, cosine to lr/10); one seed locates, it "
                      "does not decide"),
+    # stated after tiny-cpu-edge-scan's first two runs (paper diverged at 0.0646 at step 45 by the
+    # gradient-norm rule, fp32 trained) and before any of these: the lowest scanned lr
+    EdgePreset("tiny-cpu-edge", "tiny-cpu", lrs=(0.0646,), arms=(FP32, PAPER, DELTA_EXACT, FA2, SDPA),
+               claims=tuple(c for c in CLAIMS if c.id in ("E0", "E5", "E9", "E10")), steps=300,
+               seeds=tuple(range(1, 6)), eval_batches=10, checkpoint_every=50,
+               about="micro-edge's question at tiny-cpu scale (4 layers x 256 wide, T = 256, 16 sequences a step; "
+                     "tiny-cpu-lr's schedule: 300 steps, warm-up 5 %, cosine to lr/10) at peak lr 0.0646, with the "
+                     "arms that carry micro-edge's answer (fp32, paper, paper with delta exact, fa2) and torch's "
+                     "CPU flash kernel, seeds 1-5"),
     EdgePreset("micro-edge-smoke", "micro", lrs=(0.01,), arms=(FP32, PAPER, DELTA_ZERO_MEAN, O_ZERO_MEAN, SDPA),
                claims=tuple(c for c in CLAIMS if c.id in ("E0", "E1", "E3", "E10")), steps=12, seeds=(1, 2),
                eval_batches=2, checkpoint_every=6,
