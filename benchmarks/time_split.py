@@ -1,0 +1,131 @@
+"""Where the time goes: one attention forward+backward per precision, and one tiny-cpu training
+step per attention backend, profiled op by op and summed by kind.
+
+    python benchmarks/time_split.py                      # both tables, one thread
+    python benchmarks/time_split.py --tag before         # results/time-split-before-1thread.{json,md}
+    python benchmarks/time_split.py --presets fa2,paper --no-train
+
+Kinds: ``gemm`` (bmm / mm / addmm: the matrix products), ``copy`` (dtype conversions and
+contiguous copies: copy_, _to_copy), ``sdpa kernel`` (torch's own CPU flash kernel, the
+baseline), ``gelu`` (the model's tanh GELU and its backward) and ``other`` (every other aten op:
+the elementwise passes of the emulated softmax, roundings, masks, reductions, AdamW's update).
+Self CPU time of aten ops only, so that nothing is counted twice; ``python`` is the wall time
+the profiler saw minus the ops' sum (interpreter, autograd bookkeeping).
+
+Each configuration is warmed up with ``--repeats`` untimed calls, then three calls are profiled
+and their mean is reported; the profiler slows small ops, so treat the split as a proportion,
+not as a timing (benchmarks/attention.py and train.py time). The *floor* column
+is the GEMM time alone against SDPA's whole call: no rearrangement of the elementwise work can
+bring a preset below it without changing the products' arithmetic (the matmul rule,
+numerics.arith.matmul: fp32 products of bf16 operands run as fp32 GEMMs on upcast copies on
+CPU, about twice a bf16 GEMM's time, since torch's CPU bmm has no bf16-in / fp32-out form).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention import fwd_bwd, inputs, make_fn  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ATTENTION = ("sdpa", "paper", "paper-fp32fwd", "fa2", "fp32")
+TRAIN = ("sdpa", "flash+paper", "flash+fa2")
+KINDS = ("gemm", "copy", "sdpa kernel", "gelu", "other", "python")
+_GEMM = {"aten::bmm", "aten::mm", "aten::addmm", "aten::baddbmm"}
+_COPY = {"aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous"}
+
+
+def kind(op: str) -> str:
+    if op in _GEMM:
+        return "gemm"
+    if op in _COPY:
+        return "copy"
+    if op.startswith("aten::_scaled_dot_product_flash_attention"):
+        return "sdpa kernel"
+    if op.startswith("aten::gelu"):
+        return "gelu"
+    return "other"
+
+
+def split(fn, repeats: int, calls: int = 3) -> dict:
+    """ms by kind of a call of ``fn`` (the mean over ``calls`` profiled calls after ``repeats``
+    untimed ones), and its wall ms."""
+    for _ in range(repeats):
+        fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        wall = (time.perf_counter() - t0) * 1e3 / calls
+    ms = dict.fromkeys(KINDS, 0.0)
+    for e in prof.key_averages():
+        if e.key.startswith("aten::"):
+            ms[kind(e.key)] += e.self_cpu_time_total / 1e3 / calls
+    ms["python"] = max(0.0, wall - sum(ms.values()))
+    return {"wall_ms": wall, "ms": ms}
+
+
+def attention_table(presets, t: int, repeats: int) -> dict:
+    q, k, v, do = inputs(t)
+    return {p: split(lambda p=p: fwd_bwd(make_fn(p if p == "sdpa" else f"{p}/none", None), q, k, v, do), repeats)
+            for p in presets}
+
+
+def train_table(names, repeats: int) -> dict:
+    import train as bench_train  # benchmarks/train.py: the same model, optimizer and batches
+    out = {}
+    for name in names:
+        s = bench_train._Setup(name, 16)
+        x, y = bench_train._batches(s.cfg, 16, 1)[0]
+        out[name] = split(lambda s=s, x=x, y=y: s.step(x, y), repeats)
+    return out
+
+
+def markdown(title: str, rows: dict, base: str) -> list[str]:
+    lines = [f"### {title}", "", "| config | wall ms | " + " | ".join(KINDS) + " | gemm / base wall |",
+             "|---|" + "---|" * (len(KINDS) + 2)]
+    base_wall = rows[base]["wall_ms"] if base in rows else float("nan")
+    for name, r in rows.items():
+        cells = [f"{r['ms'][k]:.1f}" for k in KINDS]
+        lines.append(f"| {name} | {r['wall_ms']:.1f} | " + " | ".join(cells) +
+                     f" | {r['ms']['gemm'] / base_wall:.2f} |")
+    return lines + [""]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", default=",".join(ATTENTION), help="attention presets (and sdpa)")
+    ap.add_argument("--t", type=int, default=1024, help="sequence length of the attention table")
+    ap.add_argument("--repeats", type=int, default=2, help="untimed calls before the profiled one")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-train", action="store_true", help="skip the training-step table")
+    ap.add_argument("--tag", default="", help="name part of the results files (e.g. before, after)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    result = {"torch": torch.__version__, "threads": torch.get_num_threads(), "t": args.t,
+              "attention": attention_table(args.presets.split(","), args.t, args.repeats)}
+    if not args.no_train:
+        result["train"] = train_table(TRAIN, args.repeats)
+    md = [f"# Where the time goes ({result['torch']}, {result['threads']} thread(s))", "",
+          "Self CPU ms by kind of one call (benchmarks/time_split.py; a proportion, not a timing).", "",
+          *markdown(f"Attention forward+backward, B 2, H 12, T {args.t}, D 64, bf16, causal", result["attention"],
+                    "sdpa")]
+    if "train" in result:
+        md += markdown("tiny-cpu training step (batch 16 x T 256, bf16 autocast, AdamW)", result["train"], "sdpa")
+    text = "\n".join(md)
+    print(text)
+    stem = RESULTS / f"time-split{'-' + args.tag if args.tag else ''}-{result['threads']}thread"
+    from flashguard.utils.atomic import atomic_write_text
+    atomic_write_text(stem.with_suffix(".json"), json.dumps(result, indent=1) + "\n")
+    atomic_write_text(stem.with_suffix(".md"), text + "\n")
+
+
+if __name__ == "__main__":
+    main()
