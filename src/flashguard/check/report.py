@@ -7,6 +7,7 @@ from pathlib import Path
 from ..attention.error_stats import Z_CRIT
 from ..utils.atomic import atomic_write_text
 from ..utils.plotting import pyplot, save_png
+from ..utils.table import markdown_table
 from .verdict import HIGH_BIAS_RATIO, TIE_RATE_LOW
 
 __all__ = ["console_text", "markdown", "write_check", "check_figure"]
@@ -54,29 +55,29 @@ def _cell(m: dict | None, q: str) -> str:
     return f"{mark}{v['mean']:+.1e}{mark} (z {v['z']:+.1f}, r {v['bias_ratio']:+.2f})"
 
 
-def _layer_table(d: dict) -> list[str]:
+def _layer_table(d: dict) -> str:
     fixes = list(d.get("fixes", {}))
     head = ["layer", "backend", "verdict", "kernel O", "kernel delta"] + [f"{f} O / delta" for f in fixes] + \
            ["tie rate", "at sink", "V one-signed"]
-    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for L in d["layers"]:
         c = L.get("census") or {}
         fx = [f"{_cell(L['fixes'].get(f), 'o')} / {_cell(L['fixes'].get(f), 'delta')}" for f in fixes]
         cen = ([f"{c['exact_tie_rate']:.2%}", f"{c['tie_at_sink']:.0%}", f"{c['v_sign_agree']:.0%}"] if c
                else ["-", "-", "-"])
-        rows.append("| " + " | ".join([f"L{L['layer']}", L["backend"], L["verdict"], _cell(L["kernel"], "o"),
-                                       _cell(L["kernel"], "delta")] + fx + cen) + " |")
-    return rows
+        rows.append([f"L{L['layer']}", L["backend"], L["verdict"], _cell(L["kernel"], "o"),
+                     _cell(L["kernel"], "delta")] + fx + cen)
+    return markdown_table(head, rows)
 
 
-def _fix_lines(d: dict) -> list[str]:
-    out = ["| fix | leans on layers | refused on | cost (x kernel) | switch on |", "|---|---|---|---|---|"]
+def _fix_table(d: dict) -> str:
+    rows = []
     for n, f in d.get("fixes", {}).items():
         switch = f"`{f['switch']['plain']}`" if f["switch"]["plain"] else f["switch"]["note"]
         ratio = f"{f['ratio']:.1f}" if f.get("ratio") is not None else "-"
-        out.append(f"| {n} | {', '.join(f'L{i}' for i in f['leans_on']) or 'none'} | "
-                   f"{', '.join(f'L{i}' for i in f['refused_on']) or '-'} | {ratio} | {switch} |")
-    return out
+        rows.append([n, ", ".join(f"L{i}" for i in f["leans_on"]) or "none",
+                     ", ".join(f"L{i}" for i in f["refused_on"]) or "-", ratio, switch])
+    return markdown_table(["fix", "leans on layers", "refused on", "cost (x kernel)", "switch on"], rows)
 
 
 def markdown(d: dict) -> str:
@@ -91,8 +92,8 @@ def markdown(d: dict) -> str:
     md += ["## Per layer", "", "Cells: the lean beyond the fp32 noise floor (mean unit error of the kernel or fix "
            "minus the floor's; delta's scale is the loss gradient's) with z and bias ratio r; **bold**: a lean by the one rule "
            "(`leans_beyond_floor`: own error against fp64 biased, |z| >= 3.29 and |r| >= 0.02, and the paired "
-           "difference from the floor biased the same way).", ""] + _layer_table(d)
-    md += ["", "## Fixes", ""] + _fix_lines(d)
+           "difference from the floor biased the same way).", "", _layer_table(d)]
+    md += ["", "## Fixes", "", _fix_table(d)]
     t = d.get("timing", {})
     if t:
         md += ["", f"Cost: forward + backward time over the kernel's, on L{t['layer']}'s captured shape "

@@ -33,6 +33,7 @@ from ..attention.error_stats import Z_CRIT
 from ..attention.trace import Arithmetic
 from ..utils.atomic import atomic_write_text
 from ..utils.plotting import pyplot, save_png
+from ..utils.table import markdown_table
 from .lab.measure import Bench, BlackBox
 from .lab.problems import Problem
 
@@ -181,10 +182,8 @@ def _md(result: dict) -> str:
         return f"{mark}{s['mean'] * 1e6:+.0f}{mark} ({s['z']:+.1f}, r {s['bias_ratio']:+.2f})"
 
     def table(part):
-        head = "| kernel | " + " | ".join(conds) + " |\n|" + "---|" * (len(conds) + 1)
-        lines = [f"| {k} | " + " | ".join(cell(by[(k, c)], part) if (k, c) in by else "refused" for c in conds) + " |"
-                 for k in kernels]
-        return head + "\n" + "\n".join(lines)
+        return markdown_table(["kernel"] + conds, [[k] + [cell(by[(k, c)], part) if (k, c) in by else "refused"
+                                                          for c in conds] for k in kernels])
 
     floor = {c: by[(kernels[0], c)]["o_floor"] for c in conds if (kernels[0], c) in by}
     md = [f"# Kernel audit ({'quick' if result['quick'] else 'full'}, {result['device']})", "",
@@ -406,16 +405,17 @@ def compare_gpu_presets(*, seed: int = 0, presets=None) -> list:
 def _comparison_md(rows: list) -> list:
     md = ["## GPU presets against the real kernels", "",
           "Each preset's emulation (CPU) against the kernel it models (CUDA), same bf16 inputs: the share of",
-          "bit-identical elements and the largest distance in ulps (O in bf16, lse in fp32).", "",
-          "| preset | kernel | case | O bit-exact | O max ulp | lse bit-exact | lse max ulp |", "|---|---|---|---|---|---|---|"]
+          "bit-identical elements and the largest distance in ulps (O in bf16, lse in fp32).", ""]
+    cells = []
     for r in rows:
         if "error" in r:
-            md.append(f"| {r['preset']} | {r['kernel']} | {r.get('case', 'all')} | {r['error']} | | | |")
+            cells.append([r["preset"], r["kernel"], r.get("case", "all"), r["error"], None, None, None])
             continue
         lse = r.get("lse")
-        md.append(f"| {r['preset']} | {r['kernel']} | {r['case']} | {r['o']['bit_exact']:.4f} | {r['o']['max_ulp']} | "
-                  + (f"{lse['bit_exact']:.4f} | {lse['max_ulp']} |" if lse else "n/a | n/a |"))
-    return md + [""]
+        cells.append([r["preset"], r["kernel"], r["case"], f"{r['o']['bit_exact']:.4f}", r["o"]["max_ulp"]]
+                     + ([f"{lse['bit_exact']:.4f}", lse["max_ulp"]] if lse else ["n/a", "n/a"]))
+    header = ["preset", "kernel", "case", "O bit-exact", "O max ulp", "lse bit-exact", "lse max ulp"]
+    return md + [markdown_table(header, cells), ""]
 
 
 if __name__ == "__main__":  # python -m flashguard.experiments.audit OUT [--quick]: the GPU presets' CPU audit

@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend
 from ..attention.function import flash_attention
 from ..attention.trace import Arithmetic
 from ..utils.atomic import atomic_write_text
+from ..utils.table import markdown_table
 from .audit import _sdpa, audit_conditions
 from .lab.measure import Bench, BlackBox
 
@@ -112,16 +113,14 @@ def decomposition_markdown(result: dict) -> str:
            "(own error a bias, |z| >= 3.29 and |ratio| >= 0.02, and the paired difference from the floor a bias "
            "of the same sign).", ""]
     for part, title in (("o", "O"), ("delta", "delta = rowsum(dO * O)")):
-        out += [f"## {title}", "", "| step | " + " | ".join(conds) + " |", "|---" * (len(conds) + 1) + "|"]
-        for s in steps:
-            out.append(f"| {s} | " + " | ".join(_cell(by[(s, c)], part) for c in conds) + " |")
-        out.append("")
+        grid = [[s] + [_cell(by[(s, c)], part) for c in conds] for s in steps]
+        out += [f"## {title}", "", markdown_table(["step"] + conds, grid), ""]
     agree = [(r["condition"], r["agreement"]) for r in rows if "agreement" in r]
     out += ["## The model against the kernel, bit for bit", "",
-            "| condition | bit-identical elements | largest difference, bf16 ulps of the row's largest abs(O) | "
-            "of the element |", "|---|---|---|---|"]
-    out += [f"| {c} | {a['identical'] * 100:.3f} % of {a['elements']:,} | {a['max_row_ulps']:.2f} | {a['max_ulps']:.2f} |"
-            for c, a in agree]
+            markdown_table(["condition", "bit-identical elements",
+                            "largest difference, bf16 ulps of the row's largest abs(O)", "of the element"],
+                           [[c, f"{a['identical'] * 100:.3f} % of {a['elements']:,}", f"{a['max_row_ulps']:.2f}",
+                             f"{a['max_ulps']:.2f}"] for c, a in agree])]
     resp = result["responsible"]
     out += ["", "## The step responsible (computed)", "",
             ("A single change removes the model's lean in every condition where it leans: " + "; ".join(resp) + "."

@@ -1,6 +1,8 @@
 """The early-warning evaluation as Markdown (OUT/early_warning.md), from the result dict."""
 from __future__ import annotations
 
+from ...utils.table import markdown_table
+
 __all__ = ["early_warning_markdown"]
 
 
@@ -75,14 +77,14 @@ def _intro(res: dict) -> list[str]:
 
 def _defaults_section(res: dict) -> list[str]:
     """Each detector at its default threshold, over all runs."""
-    L = ["", "## At the default thresholds, all runs", "",
-         "| detector | threshold | hits / divergent | misses | lead time | false alarms / stable | alarms / other |",
-         "|---|---|---|---|---|---|---|"]
+    rows = []
     for d in res["detectors"]:
         m = res["default"][d["name"]]
-        other = f"{m.get('other_alarms', 0)}/{m.get('other', 0)}"
-        L.append(f"| {d['name']} | {d['default']:g} | {_hits(m)} | {m['misses']} | {_lead(m)} | {_fa(m)} | {other} |")
-    return L
+        rows.append([d["name"], f"{d['default']:g}", _hits(m), m["misses"], _lead(m), _fa(m),
+                     f"{m.get('other_alarms', 0)}/{m.get('other', 0)}"])
+    return ["", "## At the default thresholds, all runs", "",
+            markdown_table(["detector", "threshold", "hits / divergent", "misses", "lead time", "false alarms / stable",
+                            "alarms / other"], rows)]
 
 
 def _calibrated_section(res: dict) -> list[str]:
@@ -93,17 +95,16 @@ def _calibrated_section(res: dict) -> list[str]:
          f"{sp['held_out_seeds'] or '-'}. Rule, fixed before looking: the smallest threshold of the grid whose "
          f"false-alarm rate on the calibration half's stable runs is <= {res['false_alarm_target']:.0%}; "
          "the divergent runs take no part in the choice.", "",
-         "| detector | fold | calibrated threshold (default) | held out: hits / divergent | misses | lead time | "
-         "false alarms / stable |", "|---|---|---|---|---|---|---|"]
-    for d in res["detectors"]:
-        for fold, key in (("odd -> even", "calibrated"), ("even -> odd", "calibrated_reverse")):
-            L.append(_calibrated_row(d, fold, res[key][d["name"]]))
+         markdown_table(["detector", "fold", "calibrated threshold (default)", "held out: hits / divergent", "misses",
+                         "lead time", "false alarms / stable"],
+                        [_calibrated_row(d, fold, res[key][d["name"]]) for d in res["detectors"]
+                         for fold, key in (("odd -> even", "calibrated"), ("even -> odd", "calibrated_reverse"))])]
     return L
 
 
-def _calibrated_row(d: dict, fold: str, e: dict) -> str:
+def _calibrated_row(d: dict, fold: str, e: dict) -> list:
     if e["threshold"] is None:
-        return f"| {d['name']} | {fold} | none (no stable runs to calibrate on) | - | - | - | - |"
+        return [d["name"], fold, "none (no stable runs to calibrate on)", "-", "-", "-", "-"]
     cal = e["calibration"]
     chosen = f"{e['threshold']:g} ({d['default']:g})"
     if not e["met_target"]:
@@ -112,8 +113,8 @@ def _calibrated_row(d: dict, fold: str, e: dict) -> str:
                    f"{', '.join(cal['alarmed_at_max']) or '-'})")
     m = e["held_out"]
     if m is None:
-        return f"| {d['name']} | {fold} | {chosen} | no held-out runs | - | - | - |"
-    return f"| {d['name']} | {fold} | {chosen} | {_hits(m)} | {m['misses']} | {_lead(m)} | {_fa(m)} |"
+        return [d["name"], fold, chosen, "no held-out runs", "-", "-", "-"]
+    return [d["name"], fold, chosen, _hits(m), m["misses"], _lead(m), _fa(m)]
 
 
 def _monitor_section(res: dict) -> list[str]:
@@ -125,14 +126,12 @@ def _monitor_section(res: dict) -> list[str]:
          "(growth and logit thresholds x k, ratio thresholds ^ k).", ""]
     folds = ("odd->even", "even->odd")
     for name, e in res["monitor_calibration"].items():
-        L += [f"**{name}**", "", "| threshold | default | " + " | ".join(
-            f"{fold} (k = {_f(e[fold]['scale'])}{'' if e[fold]['met_target'] else ', target not met'})"
-            for fold in folds) + " |",
-            "|---|---|---|---|"]
-        for f in e["defaults"]:
-            cells = [_f(None if e[fold]["thresholds"] is None else e[fold]["thresholds"][f], "{:.3g}") for fold in folds]
-            L.append(f"| {f} | {e['defaults'][f]:.3g} | " + " | ".join(cells) + " |")
-        L.append("")
+        header = ["threshold", "default"] + [
+            f"{fold} (k = {_f(e[fold]['scale'])}{'' if e[fold]['met_target'] else ', target not met'})" for fold in folds]
+        rows = [[f, f"{e['defaults'][f]:.3g}"]
+                + [_f(None if e[fold]["thresholds"] is None else e[fold]["thresholds"][f], "{:.3g}") for fold in folds]
+                for f in e["defaults"]]
+        L += [f"**{name}**", "", markdown_table(header, rows), ""]
     return L
 
 
@@ -145,24 +144,27 @@ def _signals_section(res: dict) -> list[str]:
          "probe steps in a row), as lead = divergence step - that step. \"led\": runs in which the signal left "
          "first (ties count for each). Beside it the same with the 90th percentile of those stable runs as the "
          "range's top (one far-out stable run cannot hide a signal).", "",
-         "| signal | left the range in (runs) | led in (runs) | median lead | p90 band: left / led / median lead |",
-         "|---|---|---|---|---|"]
-    for name, s in sorted(sig["signals"].items(), key=lambda kv: (-kv[1]["led"], -kv[1]["left"], kv[0])):
-        q = (p90 or {}).get("signals", {}).get(name)
-        alt = "-" if q is None else f"{q['left']} / {q['led']} / {_f(q['median_lead'])}"
-        L.append(f"| {name} | {s['left']}/{sig['divergent']} | {s['led']} | {_f(s['median_lead'])} | {alt} |")
+         markdown_table(["signal", "left the range in (runs)", "led in (runs)", "median lead",
+                         "p90 band: left / led / median lead"], _signal_rows(sig, p90))]
     if not sig["runs"]:
         return L
     names = sorted(sig["signals"])
-    L += ["", "| run | diverged at | " + " | ".join(names) + " | leader (ahead of the next by) |",
-          "|---|---|" + "---|" * len(names) + "---|"]
+    rows = []
     for row in sig["runs"]:
         lead = ", ".join(row["leader"]) or "-"
         if row["margin"] is not None:
             lead += f" ({row['margin']} steps, then {row['next']})"
-        L.append(f"| {row['run']} | {row['divergence_step']} | "
-                 + " | ".join(_f(row["leads"].get(n)) for n in names) + f" | {lead} |")
-    return L
+        rows.append([row["run"], row["divergence_step"]] + [_f(row["leads"].get(n)) for n in names] + [lead])
+    return L + ["", markdown_table(["run", "diverged at", *names, "leader (ahead of the next by)"], rows)]
+
+
+def _signal_rows(sig: dict, p90: dict | None) -> list[list]:
+    rows = []
+    for name, s in sorted(sig["signals"].items(), key=lambda kv: (-kv[1]["led"], -kv[1]["left"], kv[0])):
+        q = (p90 or {}).get("signals", {}).get(name)
+        alt = "-" if q is None else f"{q['left']} / {q['led']} / {_f(q['median_lead'])}"
+        rows.append([name, f"{s['left']}/{sig['divergent']}", s["led"], _f(s["median_lead"]), alt])
+    return rows
 
 
 _OUTCOME = {"hit": "{alarm_step} (lead {lead})", "miss": "miss", "false_alarm": "{alarm_step} (false alarm)",
@@ -171,15 +173,14 @@ _OUTCOME = {"hit": "{alarm_step} (lead {lead})", "miss": "miss", "false_alarm": 
 
 def _runs_section(res: dict) -> list[str]:
     """Each run: its divergence, final loss, peak logit and each detector's first alarm."""
-    L = ["", "## Runs (first alarm step at the default thresholds)", "",
-         "| run | seed | divergence | final loss | peak max logit | " + " | ".join(d["name"] for d in res["detectors"])
-         + " |", "|---|---|---|---|---|" + "---|" * len(res["detectors"])]
+    rows = []
     for r in res["runs"]:
         cells = []
         for d in res["detectors"]:
             o = res["default"][d["name"]]["runs"][r["id"]]
             cells.append(_OUTCOME[o["kind"]].format(alarm_step=o.get("alarm_step"), lead=o.get("lead")))
         div = f"step {r['divergence_step']}" if r["diverged"] else "stable"
-        L.append(f"| {r['id']} | {r['seed']} | {div} | {_f(r.get('final_loss'), '{:.3g}')} | "
-                 f"{_f(r.get('peak_max_logit'), '{:.3g}')} | " + " | ".join(cells) + " |")
-    return L
+        rows.append([r["id"], r["seed"], div, _f(r.get("final_loss"), "{:.3g}"), _f(r.get("peak_max_logit"), "{:.3g}")]
+                    + cells)
+    header = ["run", "seed", "divergence", "final loss", "peak max logit"] + [d["name"] for d in res["detectors"]]
+    return ["", "## Runs (first alarm step at the default thresholds)", "", markdown_table(header, rows)]

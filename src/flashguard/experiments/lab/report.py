@@ -7,6 +7,7 @@ from pathlib import Path
 from ...attention.error_stats import BIAS_RATIO_MIN, Z_CRIT
 from ...utils.atomic import atomic_write_text
 from ...utils.plotting import pyplot, save_png
+from ...utils.table import markdown_table
 from .candidates import FORMAT_POLICIES, fix_family
 from .experiments import DECOMPOSITION
 
@@ -33,12 +34,6 @@ def _vs(row: dict, part: str = "o_vs_floor") -> str:
     return f"{mark}{s['mean'] * 1e6:+.0f}{mark} ({s['z']:+.1f})"
 
 
-def _table(header: list[str], lines: list[list[str]]) -> str:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(line) + " |" for line in lines]
-    return "\n".join(out)
-
-
 def _grid(rows: list[dict], experiment: str, arithmetics: list[str], part: str, floor_row: bool = True) -> str:
     """conditions as columns, arithmetics as rows; cells: mean unit error beyond the floor (z)."""
     sel = [r for r in rows if r["experiment"] == experiment]
@@ -55,7 +50,7 @@ def _grid(rows: list[dict], experiment: str, arithmetics: list[str], part: str, 
             maes = [by[(a, c)]["o_mae"] / by[(a, c)]["o_mae_floor"] for c in conds if (a, c) in by]
             bad = sum(by[(a, c)]["bad_rows"] for c in conds if (a, c) in by)
             lines.append([f"`{a}`"] + cells + [f"{max(maes):.2f}x" + (f", {bad} bad rows" if bad else "")])
-    return _table(["arithmetic"] + conds + ["worst mean abs O error / floor's"], lines)
+    return markdown_table(["arithmetic"] + conds + ["worst mean abs O error / floor's"], lines)
 
 
 def render_markdown(result: dict) -> str:
@@ -79,7 +74,7 @@ def render_markdown(result: dict) -> str:
           "## Answers per arithmetic", ""]
     md += [f"* `{pol}`: {a['line']}" for pol, a in result["answers"].items()]
     md += ["", "## Verdicts", ""]
-    md.append(_table(["fact", "verdict", "evidence"],
+    md.append(markdown_table(["fact", "verdict", "evidence"],
                      [[TITLES.get(k, k), f"**{v}**", "<br>".join(result["details"][k])]
                       for k, v in result["verdicts"].items()]))
     for pol in FORMAT_POLICIES:
@@ -94,8 +89,8 @@ def render_markdown(result: dict) -> str:
         if unrounded:
             u_arith = list(dict.fromkeys(r["arithmetic"] for r in rows if r["experiment"] == "fixes-unrounded"
                                          and r["policy"].split("[")[0] in family))
-            md += ["", f"Nothing removes the lean at the output format, so the same measured with O left unrounded "
-                       f"(fp32 output, its floor likewise): the arithmetic's own error before O's one rounding.", ""]
+            md += ["", "Nothing removes the lean at the output format, so the same measured with O left unrounded "
+                       "(fp32 output, its floor likewise): the arithmetic's own error before O's one rounding.", ""]
             md.append(_grid(rows, "fixes-unrounded", u_arith, "o_vs_floor"))
             md += ["", "delta, O unrounded:", ""]
             md.append(_grid(rows, "fixes-unrounded", u_arith, "delta_vs_floor", floor_row=False))
@@ -117,7 +112,7 @@ def render_markdown(result: dict) -> str:
     pr = [r for r in rows if r["experiment"] == "pr2721"]
     md += ["", "## FlashAttention PR #2721: l from the unrounded Pbar vs from the rounded one", "",
            "`row_sum_rounded=true` is the PR's fix (l sums the Pbar the numerator uses). No ties (k = 1).", ""]
-    md.append(_table(["condition", "arithmetic", "O beyond floor", "O against fp64", "mean abs O error"],
+    md.append(markdown_table(["condition", "arithmetic", "O beyond floor", "O against fp64", "mean abs O error"],
                      [[r["condition"], f"`{r['arithmetic']}`", _vs(r), _vs(r, "o"), f"{r['o_mae']:.2e}"] for r in pr]))
     cap = result.get("captured")
     if cap:

@@ -16,8 +16,8 @@ from pathlib import Path
 from ... import keys
 from ...diagnostics.across_probes import ACROSS_PROBES_UNIT
 from ...diagnostics.census_table import LAYER_COLUMNS, census_from_records, census_legend, over_training
+from ...utils.table import Table, fmt
 from .load import Run, Study
-from .table import Table, fmt
 
 __all__ = ["run_census", "census_blocks"]
 

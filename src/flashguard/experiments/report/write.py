@@ -11,8 +11,8 @@ import datetime
 import html
 from pathlib import Path
 
+from ...utils.table import Table, fmt, markdown_table
 from .figures import Figure
-from .table import Table, fmt
 from .census_section import census_blocks
 from .load import Study
 
@@ -147,12 +147,8 @@ def render_markdown(doc: list[Block]) -> str:
             out += ["```python", rest[0], "```", ""]
         elif kind == "table":
             t = rest[0]
-            out.append("| " + " | ".join(t.header) + " |")
-            out.append("|" + "---|" * len(t.header))
-            for row in t.rows:
-                cells = [f"**{c}**" if i == t.verdict_col else c for i, c in enumerate(row)]
-                out.append("| " + " | ".join(_md_cell(c) for c in cells) + " |")
-            out.append("")
+            rows = [[_md_cell(f"**{c}**" if i == t.verdict_col else c) for i, c in enumerate(row)] for row in t.rows]
+            out += [markdown_table(t.header, rows), ""]
         elif kind == "figure":
             f, src = rest
             out += [f"![{f.title}]({src})", "", f"*{f.title}.* {f.caption}", ""]

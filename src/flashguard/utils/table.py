@@ -1,10 +1,10 @@
-"""The report's table block and its cell format, shared by the report writer and its sections."""
+"""Tables: the one Markdown table writer, and the report's table block and cell format."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-__all__ = ["Table", "fmt"]
+__all__ = ["Table", "fmt", "markdown_table"]
 
 
 @dataclass
@@ -25,3 +25,14 @@ def fmt(x) -> str:
     if isinstance(x, (list, tuple)):
         return "; ".join(fmt(v) for v in x)
     return str(x)
+
+
+def _line(cells) -> str:
+    return "|" + "".join(" |" if c is None else f" {c} |" for c in cells)
+
+
+def markdown_table(header, rows) -> str:
+    """A Markdown table, its lines joined by newlines (no newline at the end): the header, the
+    ``|---|`` rule, a line a row. Cells are written as they are (str() of them; any escaping is
+    the caller's); a cell that is None is left blank, ``| |``, where "" writes ``|  |``."""
+    return "\n".join([_line(header), "|" + "---|" * len(header)] + [_line(r) for r in rows])
