@@ -20,11 +20,12 @@ from pathlib import Path
 from ...train import load_config
 from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
 from ...utils.atomic import atomic_write_text
+from ...utils.table import markdown_table
 from ..lr_sensitivity.analysis import run_outcome
 from ..lr_sensitivity.presets import GRID_KEYS, lr_name, run_spec
 from ..lr_sensitivity.runner import _common, _run_dir, train_grid, warmup_steps
 from ..repro.presets import config_path, get_preset
-from ..repro.runner import _versions, markdown_footer
+from ..repro.runner import _versions, claims_table, markdown_footer
 from .analysis import arm_summary, judge_claims, rules_text
 from .figures import survival_curves
 from .presets import EdgePreset
@@ -116,6 +117,20 @@ def _f(x, fmt=".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _sizes_lines(result: dict) -> list[str]:
+    """The injected arms' error sizes: a sentence and a table (none when no arm is injected)."""
+    sizes = {k: v for k, v in result["error_sizes"].items() if k != "seed"}
+    if not sizes:
+        return []
+    labels = {a["name"]: a["label"] for a in result["arms"]}
+    rows = [[labels.get(name, name), s["point"], f"{s['rms_own']:.3g}", f"{s['rms_injected']:.3g}", _f(s["ratio"]),
+             _f(s["lean_own"], "+.3f"), _f(s["lean_injected"], "+.3f")] for name, s in sizes.items()]
+    return [f"Injected arms' error sizes (seed {result['error_sizes']['seed']}, first batch, at initialisation, "
+            "elements of every layer pooled): rms of the arithmetic's own error, rms of the error the run got, "
+            "their ratio, and mean(error) / mean(|error|) of each (a description, not a test).", "",
+            markdown_table(["arm", "point", "rms own", "rms injected", "ratio", "lean own", "lean injected"], rows), ""]
+
+
 def edge_markdown(result: dict) -> str:
     seeds = result["seeds"]
     lines = [f"# flashguard edge attribution: {result['preset']}", "",
@@ -123,33 +138,18 @@ def edge_markdown(result: dict) -> str:
              f"seeds {', '.join(map(str, seeds))}. Divergence: {result['divergence_rule']}.", "",
              result["rules"], ""]
     for block in result["by_lr"]:
+        arms = [[a["label"], f"{a['diverged']}/{a['finished']}"
+                 + (f" ({len(a['unfinished_seeds'])} unfinished)" if a["unfinished_seeds"] else ""),
+                 ", ".join(map(str, a["diverged_steps"])) or "-", _f(a["median_step"], "g"), _f(a["mean_final_loss"])]
+                for a in block["arms"]]
         lines += [f"## Peak lr {block['lr']:.3g}", "",
-                  "| arm | diverged / seeds | steps of divergence | median step | mean final loss (trained runs) |",
-                  "|---|---|---|---|---|"]
-        for a in block["arms"]:
-            unfinished = f" ({len(a['unfinished_seeds'])} unfinished)" if a["unfinished_seeds"] else ""
-            lines.append(f"| {a['label']} | {a['diverged']}/{a['finished']}{unfinished} | "
-                         f"{', '.join(map(str, a['diverged_steps'])) or '-'} | {_f(a['median_step'], 'g')} | "
-                         f"{_f(a['mean_final_loss'])} |")
-        lines += ["", "| claim | verdict | evidence |", "|---|---|---|"]
-        lines += [f"| {c['id']}: {c['title']} | **{c['verdict']}** | {c['evidence']} |" for c in block["claims"]]
-        lines.append("")
-    sizes = {k: v for k, v in result["error_sizes"].items() if k != "seed"}
-    if sizes:
-        labels = {a["name"]: a["label"] for a in result["arms"]}
-        lines += [f"Injected arms' error sizes (seed {result['error_sizes']['seed']}, first batch, at initialisation, "
-                  "elements of every layer pooled): rms of the arithmetic's own error, rms of the error the run got, "
-                  "their ratio, and mean(error) / mean(|error|) of each (a description, not a test).", "",
-                  "| arm | point | rms own | rms injected | ratio | lean own | lean injected |",
-                  "|---|---|---|---|---|---|---|"]
-        for name, s in sizes.items():
-            lines.append(f"| {labels.get(name, name)} | {s['point']} | {s['rms_own']:.3g} | {s['rms_injected']:.3g} | "
-                         f"{_f(s['ratio'])} | {_f(s['lean_own'], '+.3f')} | {_f(s['lean_injected'], '+.3f')} |")
-        lines.append("")
-    lines += ["| seed | arm | peak lr | status | steps | diverged at | reason | final loss |", "|---|---|---|---|---|---|---|---|"]
-    for r in result["runs"]:
-        reason = r.get("divergence") or ""
-        lines.append(f"| {r['seed']} | {r['label']} | {r['lr']:.3g} | {r['status']} | {r['steps']} | "
-                     f"{_f(r['diverged_at'], 'd')} | {reason} | {_f(r['final_loss'])} |")
+                  markdown_table(["arm", "diverged / seeds", "steps of divergence", "median step",
+                                  "mean final loss (trained runs)"], arms),
+                  "", claims_table(block["claims"]), ""]
+    lines += _sizes_lines(result)
+    runs = [[r["seed"], r["label"], f"{r['lr']:.3g}", r["status"], r["steps"], _f(r["diverged_at"], "d"),
+             r.get("divergence") or "", _f(r["final_loss"])] for r in result["runs"]]
+    lines.append(markdown_table(["seed", "arm", "peak lr", "status", "steps", "diverged at", "reason", "final loss"],
+                                runs))
     lines += markdown_footer(result)
     return "\n".join(lines) + "\n"

@@ -21,8 +21,9 @@ from ...train import build_model, load_config
 from ...train.injection import install_injection
 from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
 from ...utils.atomic import atomic_write_text
+from ...utils.table import markdown_table
 from ..repro.presets import config_path, get_preset
-from ..repro.runner import _versions, markdown_footer, train_run
+from ..repro.runner import _versions, claims_table, markdown_footer, train_run
 from ...utils.jsonl import read_jsonl
 from .analysis import boundaries, cell_outcomes, judge_coherence, run_outcome
 from .coherence import (by_component, judge_leading_layer, judge_runaway, margin, real_bias_ratio,
@@ -147,40 +148,43 @@ def _cell(c: dict) -> str:
     return "-"
 
 
+def _component_row(r: dict) -> list[str]:
+    c = "?" if r["c"] is None else f"{r['c']:.3g}"
+    steps = ", ".join(map(str, sorted(r["steps"]))) or "-"
+    done = f"{r['diverged']}/{r['seeds']}" if r["finished"] == r["seeds"] else \
+        f"{r['diverged']}/{r['seeds']} ({r['seeds'] - r['finished']} unfinished)"
+    return [c, r["column"], f"{r['alpha']:g}", done, steps]
+
+
+def _run_row(r: dict) -> list[str]:
+    s = r["summary"]
+    wq = ", ".join(f"{v:.2f}" for _, v in sorted(r["wq_norm_last"].items())) or "-"
+    ml = ", ".join(f"{v:.1f}" for _, v in sorted(r["max_logit_peak"].items())) or "-"
+    fl = "-" if s["final_loss"] is None else f"{s['final_loss']:.3f}"
+    return [r["name"], r["seed"], s["status"], s["steps"], "-" if s["diverged_at"] is None else s["diverged_at"], fl,
+            wq, ml]
+
+
 def injection_markdown(result: dict) -> str:
     cols, alphas = result["columns"], result["alphas"]
     cells = {(c["column"], c["alpha"]): c for c in result["cells"]}
+    grid = [[f"{a:g}"] + [_cell(cells[(c, a)]) if (c, a) in cells else "-" for c in cols] for a in alphas]
+    grid.append(["**alpha\\***"] + [result["boundaries"][c]["text"] for c in cols])
     lines = [f"# flashguard injection experiment: {result['preset']}", "",
              f"{result['about']}. delta = delta_ref + alpha * rule(e), e = delta_lp - delta_ref (O_ref in "
              f"{result['reference']}); {result['steps']} steps, seeds {', '.join(map(str, result['seeds']))}. "
              f"Divergence: {result['divergence_rule']}. A cell: diverged @ median step (seeds diverged / seeds), "
              "or trained (median final loss).", "",
-             "| alpha | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-    for a in alphas:
-        lines.append(f"| {a:g} | " + " | ".join(_cell(cells[(c, a)]) if (c, a) in cells else "-" for c in cols) + " |")
-    lines.append("| **alpha\\*** | " + " | ".join(result["boundaries"][c]["text"] for c in cols) + " |")
-    lines += ["", "| claim | verdict | evidence |", "|---|---|---|"]
-    lines += [f"| {v['id']}: {v['title']} | **{v['verdict']}** | {v['evidence']} |" for v in result["claims"]]
+             markdown_table(["alpha", *cols], grid), "", claims_table(result["claims"])]
     if result.get("by_component"):
         lines += ["", "The grid by coherent component c = alpha (2p - 1) (real and shuffled: alpha |b|, b the "
                   "baseline's measured lean of delta's error, mean over probe steps), in units of the real "
                   "error's mean size:", "",
-                  "| c | column | alpha | diverged / seeds | divergence steps |", "|---|---|---|---|---|"]
-        for r in result["by_component"]:
-            c = "?" if r["c"] is None else f"{r['c']:.3g}"
-            steps = ", ".join(map(str, sorted(r["steps"]))) or "-"
-            done = f"{r['diverged']}/{r['seeds']}" if r["finished"] == r["seeds"] else \
-                f"{r['diverged']}/{r['seeds']} ({r['seeds'] - r['finished']} unfinished)"
-            lines.append(f"| {c} | {r['column']} | {r['alpha']:g} | {done} | {steps} |")
+                  markdown_table(["c", "column", "alpha", "diverged / seeds", "divergence steps"],
+                                 [_component_row(r) for r in result["by_component"]])]
         lines += ["", f"**Margin of the real run:** {result['margin']['text']}."]
-    lines += ["", "| run | seed | status | steps | diverged at | final loss | W_Q norm last (per layer) | "
-                  "max logit peak (per layer) |", "|---|---|---|---|---|---|---|---|"]
-    for r in result["runs"]:
-        s = r["summary"]
-        wq = ", ".join(f"{v:.2f}" for _, v in sorted(r["wq_norm_last"].items())) or "-"
-        ml = ", ".join(f"{v:.1f}" for _, v in sorted(r["max_logit_peak"].items())) or "-"
-        fl = "-" if s["final_loss"] is None else f"{s['final_loss']:.3f}"
-        lines.append(f"| {r['name']} | {r['seed']} | {s['status']} | {s['steps']} | "
-                     f"{'-' if s['diverged_at'] is None else s['diverged_at']} | {fl} | {wq} | {ml} |")
+    lines += ["", markdown_table(["run", "seed", "status", "steps", "diverged at", "final loss",
+                                  "W_Q norm last (per layer)", "max logit peak (per layer)"],
+                                 [_run_row(r) for r in result["runs"]])]
     lines += markdown_footer(result)
     return "\n".join(lines) + "\n"

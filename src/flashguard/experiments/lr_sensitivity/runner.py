@@ -26,8 +26,9 @@ from ...train import load_config
 from ...train.checkpoint import checkpoint_dir
 from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
 from ...utils.atomic import atomic_write_text
+from ...utils.table import markdown_table
 from ..repro.presets import config_path, get_preset
-from ..repro.runner import _versions, markdown_footer, train_run
+from ..repro.runner import _versions, claims_table, markdown_footer, train_run
 from .analysis import (FINAL_WINDOW, curve, judge_fix, judge_harm, mean_curve, compare, rules_text, run_outcome)
 from .figures import lr_curves
 from .presets import GRID_KEYS, WARMUP_FRACTION, LRPreset, lr_name, run_spec
@@ -162,52 +163,64 @@ def _lr(x) -> str:
     return "none" if x is None else f"{x:.3g}"
 
 
-def lr_markdown(result: dict) -> str:
-    arith = result["arithmetics"]
-    labels = {a["name"]: a["label"] for a in arith}
+def _final_loss_rows(result: dict) -> list[list[str]]:
+    """A row a peak lr: each arithmetic's final loss, mean over seeds (d k/n: k of n seeds diverged)."""
+    means = {m["arithmetic"]: m for m in result["means"]}
+    rows = []
+    for i, lr in enumerate(result["lrs"]):
+        cells = []
+        for a in result["arithmetics"]:
+            m = means[a["name"]]
+            d = m["diverged"][i]
+            cells.append(_f(m["counted"][i]) + (f" (d {d}/{m['seeds']})" if d else ""))
+        rows.append([f"{lr:.3g}"] + cells)
+    return rows
+
+
+def _per_seed_rows(result: dict) -> list[list]:
+    """A row a (arithmetic, seed), and a mean row an arithmetic when there are several seeds."""
+    labels = {a["name"]: a["label"] for a in result["arithmetics"]}
     means = {m["arithmetic"]: m for m in result["means"]}
     seeds = result["seeds"]
+    diffs = {(d["seed"], d["arithmetic"]): d["sens_diff"] for d in result["vs_reference"]}
+    curves = {(c["seed"], c["arithmetic"]): c for c in result["curves"]}
+    rows = []
+    for n in (a["name"] for a in result["arithmetics"]):
+        for s in seeds:
+            c = curves[(s, n)]
+            if not c["complete"]:
+                rows.append([labels[n], s, _f(c["l0"]), f"unfinished ({len(c['missing'])} runs)", None, None, None, None])
+                continue
+            diff = "-" if n == result["reference"] else _f(diffs.get((s, n)), "+.3f")
+            rows.append([labels[n], s, _f(c["l0"]), _lr(c["best_lr"]), _f(c["best_loss"]), _f(c["sensitivity"]),
+                         _lr(c["largest_trainable_lr"]), diff])
+        m = means[n]
+        if len(seeds) > 1:
+            ds = [diffs[(s, n)] for s in seeds if (s, n) in diffs]
+            mean_diff = "-" if n == result["reference"] or len(ds) != len(seeds) else _f(sum(ds) / len(ds), "+.3f")
+            rows.append([labels[n], "mean", _f(m["l0"]), None, _f(m["best_loss"]), _f(m["sensitivity"]),
+                         ", ".join(_lr(x) for x in m["largest_trainable_lr"]), mean_diff])
+    return rows
+
+
+def lr_markdown(result: dict) -> str:
+    labels = {a["name"]: a["label"] for a in result["arithmetics"]}
+    seeds = result["seeds"]
+    ref = labels[result["reference"]]
     lines = [f"# flashguard LR-sensitivity experiment: {result['preset']}", "",
              f"{result['about']}. {result['steps']} steps a run (warm-up {result['warmup_steps']}, cosine to lr/10), "
              f"seeds {', '.join(map(str, seeds))}; the final loss averages the last {result['final_window']} "
              f"step{'s' if result['final_window'] != 1 else ''}. "
              f"Divergence: {result['divergence_rule']}.", "", result["definitions"], "",
              "Final loss by peak lr, mean over seeds (diverged runs counted as l0; d k/n: k of n seeds diverged):", "",
-             "| peak lr | " + " | ".join(labels[a["name"]] for a in arith) + " |", "|---|" + "---|" * len(arith)]
-    for i, lr in enumerate(result["lrs"]):
-        cells = []
-        for a in arith:
-            m = means[a["name"]]
-            d = m["diverged"][i]
-            cells.append(_f(m["counted"][i]) + (f" (d {d}/{m['seeds']})" if d else ""))
-        lines.append(f"| {lr:.3g} | " + " | ".join(cells) + " |")
-    lines += ["", f"Per seed (sensitivity - {labels[result['reference']]}'s: the same seed's difference):", "",
-              "| arithmetic | seed | l0 | best lr | l* | LR sensitivity | largest trainable lr | sensitivity - "
-              f"{labels[result['reference']]}'s |", "|---|---|---|---|---|---|---|---|"]
-    diffs = {(d["seed"], d["arithmetic"]): d["sens_diff"] for d in result["vs_reference"]}
-    curves = {(c["seed"], c["arithmetic"]): c for c in result["curves"]}
-    for a in arith:
-        n = a["name"]
-        for s in seeds:
-            c = curves[(s, n)]
-            if not c["complete"]:
-                lines.append(f"| {labels[n]} | {s} | {_f(c['l0'])} | unfinished ({len(c['missing'])} runs) | | | | |")
-                continue
-            diff = "-" if n == result["reference"] else _f(diffs.get((s, n)), "+.3f")
-            lines.append(f"| {labels[n]} | {s} | {_f(c['l0'])} | {_lr(c['best_lr'])} | {_f(c['best_loss'])} | "
-                         f"{_f(c['sensitivity'])} | {_lr(c['largest_trainable_lr'])} | {diff} |")
-        m = means[n]
-        if len(seeds) > 1:
-            ds = [diffs[(s, n)] for s in seeds if (s, n) in diffs]
-            mean_diff = "-" if n == result["reference"] or len(ds) != len(seeds) else _f(sum(ds) / len(ds), "+.3f")
-            lines.append(f"| {labels[n]} | mean | {_f(m['l0'])} | | {_f(m['best_loss'])} | {_f(m['sensitivity'])} | "
-                         f"{', '.join(_lr(x) for x in m['largest_trainable_lr'])} | {mean_diff} |")
-    lines += ["", "| claim | verdict | evidence |", "|---|---|---|"]
-    lines += [f"| {v['id']}: {v['title']} | **{v['verdict']}** | {v['evidence']} |" for v in result["claims"]]
-    lines += ["", "| seed | arithmetic | peak lr | status | steps | diverged at | final loss | val loss (last step) |",
-              "|---|---|---|---|---|---|---|---|"]
-    for r in result["runs"]:
-        lines.append(f"| {r['seed']} | {r['label']} | {r['lr']:.3g} | {r['status']} | {r['steps']} | "
-                     f"{_f(r['diverged_at'], 'd')} | {_f(r['final_loss'])} | {_f(r['last_val'])} |")
+             markdown_table(["peak lr"] + [labels[a["name"]] for a in result["arithmetics"]], _final_loss_rows(result))]
+    lines += ["", f"Per seed (sensitivity - {ref}'s: the same seed's difference):", "",
+              markdown_table(["arithmetic", "seed", "l0", "best lr", "l*", "LR sensitivity", "largest trainable lr",
+                              f"sensitivity - {ref}'s"], _per_seed_rows(result))]
+    lines += ["", claims_table(result["claims"])]
+    runs = [[r["seed"], r["label"], f"{r['lr']:.3g}", r["status"], r["steps"], _f(r["diverged_at"], "d"),
+             _f(r["final_loss"]), _f(r["last_val"])] for r in result["runs"]]
+    lines += ["", markdown_table(["seed", "arithmetic", "peak lr", "status", "steps", "diverged at", "final loss",
+                                  "val loss (last step)"], runs)]
     lines += markdown_footer(result)
     return "\n".join(lines) + "\n"

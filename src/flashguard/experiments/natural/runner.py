@@ -21,8 +21,9 @@ from pathlib import Path
 from ...train import load_config
 from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
 from ...utils.atomic import atomic_write_text
+from ...utils.table import markdown_table
 from ..repro.presets import RunSpec
-from ..repro.runner import _versions, markdown_footer, train_run
+from ..repro.runner import _versions, claims_table, markdown_footer, train_run
 from .analysis import arm_outcome, judge_claims, matched_batches, missing_outcome, rules_text, series_text
 from .presets import ARM_KEYS, NaturalPreset
 
@@ -196,28 +197,22 @@ def natural_markdown(result: dict) -> str:
     lines = [f"# flashguard natural-preconditions runs: {result['preset']}", "",
              f"{result['about']}. Config `{result['config']}`, {result['steps']} steps an arm, probes every "
              f"{result['diagnostics_every']} steps; {how}. Divergence: {result['divergence_rule']}.", "",
-             f"Matching: {_matching_text(result)}.", "",
-             "| claim | verdict | evidence |", "|---|---|---|"]
-    lines += [f"| {c['id']}: {c['title']} | **{c['verdict']}** | {c['evidence']} |" for c in result["claims"]]
-    lines += ["", "| arm | status | steps | val loss | delta across probes per layer | O across probes per layer | "
-                  "census |", "|---|---|---|---|---|---|---|"]
+             f"Matching: {_matching_text(result)}.", "", claims_table(result["claims"])]
+    arms = []
     for o in outcomes:
-        a = labels[o["arm"]]
         val = "-" if o["last_val"] is None else f"{o['last_val']:.3f} (step {o['last_val_step']})"
-        lines.append(f"| {o['arm']} (`{' '.join(a['overrides'])}`) | {_status(o)} | "
-                     f"{o['steps']}/{result['steps']} | {val} | {_leans(o['delta'])} | {_leans(o['O'])} | "
-                     f"{o['census'] or '-'} |")
+        arms.append([f"{o['arm']} (`{' '.join(labels[o['arm']]['overrides'])}`)", _status(o),
+                     f"{o['steps']}/{result['steps']}", val, _leans(o["delta"]), _leans(o["O"]), o["census"] or "-"])
+    lines += ["", markdown_table(["arm", "status", "steps", "val loss", "delta across probes per layer",
+                                  "O across probes per layer", "census"], arms)]
     lines += ["", "Each arm:", ""]
     lines += [f"- {o['arm']}: {o['state']}" + (f"; {o['dir']}" if o["dir"] else "") for o in outcomes]
+    layers = [[o["arm"], what, f"L{r['layer']}", f"{r['probes']} ({r['first_step']}-{r['last_step']})", r["positive"],
+               f"{r['stouffer_z']:+.2f}", _f(r["mean_ratio"], "+.4f"), r["verdict"]]
+              for o in outcomes for what in ("delta", "O") for r in o[what]]
     lines += ["", "Per layer (Stouffer z over the probes, probes with a positive z, mean bias ratio, verdict):", "",
-              "| arm | error | layer | probes (steps) | positive | Stouffer z | mean ratio | verdict |",
-              "|---|---|---|---|---|---|---|---|"]
-    for o in outcomes:
-        for what in ("delta", "O"):
-            for r in o[what]:
-                lines.append(f"| {o['arm']} | {what} | L{r['layer']} | {r['probes']} ({r['first_step']}-"
-                             f"{r['last_step']}) | {r['positive']} | {r['stouffer_z']:+.2f} | "
-                             f"{_f(r['mean_ratio'], '+.4f')} | {r['verdict']} |")
+              markdown_table(["arm", "error", "layer", "probes (steps)", "positive", "Stouffer z", "mean ratio",
+                              "verdict"], layers)]
     lines += _split_lines(outcomes)
     lines += ["", "Rules: " + result["definitions"]]
     lines += markdown_footer(result)
@@ -230,19 +225,19 @@ def _split_lines(outcomes) -> list[str]:
     rows = [(o["arm"], r) for o in outcomes for r in o.get("delta_split") or []]
     if not rows:
         return []
+    cells = []
+    for arm, r in rows:
+        for part, name in (("from_o", "from O's error"), ("own", "delta's own rounding")):
+            p = r.get(part)
+            if p is not None:
+                cells.append([arm, f"L{r['layer']}", _f(r["tied_row_frac"], ".2%"), name,
+                              f"{p['probes']} ({p['positive']})", f"{p['stouffer_z']:+.2f}", _f(p["mean"], "+.3g"),
+                              _f(p["tied"], "+.3g"), _f(p["untied"], "+.3g")])
     lines = ["", "Where delta's error is born, per layer: the part O's error carries (rowsum(dO * O_lp) in fp64 - "
                  "delta_ref) and the part delta's own bf16 product and sum add; each part's Stouffer z across the "
                  "probes (significant at |z| >= 3.29), and its mean over the probes of its mean over all rows, over "
                  "rows with several Pbar == 1 in a tile (tied) and over the others:", "",
-             "| arm | layer | tied rows | part | probes (z > 0) | Stouffer z | mean | mean, tied rows | "
-             "mean, untied rows |", "|---|---|---|---|---|---|---|---|---|"]
-    for arm, r in rows:
-        for part, name in (("from_o", "from O's error"), ("own", "delta's own rounding")):
-            p = r.get(part)
-            if p is None:
-                continue
-            lines.append(f"| {arm} | L{r['layer']} | {_f(r['tied_row_frac'], '.2%')} | {name} | {p['probes']} "
-                         f"({p['positive']}) | {p['stouffer_z']:+.2f} | {_f(p['mean'], '+.3g')} | "
-                         f"{_f(p['tied'], '+.3g')} | {_f(p['untied'], '+.3g')} |")
+             markdown_table(["arm", "layer", "tied rows", "part", "probes (z > 0)", "Stouffer z", "mean",
+                             "mean, tied rows", "mean, untied rows"], cells)]
     return lines
 

@@ -22,11 +22,12 @@ from ...train.checkpoint import latest_checkpoint
 from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
 from ...train.loop import gpt_config
 from ...utils.atomic import atomic_write_text
+from ...utils.table import markdown_table
 from .claims import CLAIMS, judge_claims
 from .presets import CLAIM_RUNS, ReproPreset, config_path, run_specs
 from .summary import summarize_run
 
-__all__ = ["run_repro", "claims_markdown", "markdown_footer", "train_run"]
+__all__ = ["run_repro", "claims_markdown", "claims_table", "markdown_footer", "train_run"]
 
 
 def _versions() -> dict:
@@ -40,6 +41,13 @@ def markdown_footer(result: dict) -> list[str]:
     lines = ([""] + [f"![{f}]({f})" for f in result["figures"]]) if result.get("figures") else []
     v = result["versions"]
     return lines + ["", f"flashguard {v['flashguard']}, torch {v['torch']}, Python {v['python']}."]
+
+
+def claims_table(claims: list[dict]) -> str:
+    """An experiment's claims as a Markdown table: the claim, its verdict (bold), the evidence.
+    Shared by the experiments' markdown writers."""
+    return markdown_table(["claim", "verdict", "evidence"],
+                          [[f"{c['id']}: {c['title']}", f"**{c['verdict']}**", c["evidence"]] for c in claims])
 
 
 def _needed(claims, focus: int) -> set[str]:
@@ -139,18 +147,16 @@ def claims_markdown(result: dict) -> str:
     lines = [f"# flashguard repro: {result['preset']}", "",
              f"{result['about']}. Flash runs in `{result['base_precision']}`; {result['steps']} steps, seed "
              f"{result['seed']}, focus layer {result['focus_layer']}. Divergence: {result['divergence_rule']}.", "",
-             "| claim | verdict | evidence |", "|---|---|---|"]
-    lines += [f"| {c['id']}: {c['title']} | **{c['verdict']}** | {c['evidence']} |" for c in result["claims"]]
-    lines += ["", "| run | group | what differs | steps | final loss | min loss | diverged at | status |",
-              "|---|---|---|---|---|---|---|---|"]
-    for r in result["runs"]:
-        s = r["summary"]
-        lines.append(f"| {r['name']} | {r['group']} | {r['title']} | {s['steps']} | {_f(s['final_loss'])} | "
-                     f"{_f(s['min_loss'])} | {_f(s['diverged_at'], 'd')} | {s['status']} |")
+             claims_table(result["claims"])]
+    runs = [[r["name"], r["group"], r["title"], r["summary"]["steps"], _f(r["summary"]["final_loss"]),
+             _f(r["summary"]["min_loss"]), _f(r["summary"]["diverged_at"], "d"), r["summary"]["status"]]
+            for r in result["runs"]]
+    lines += ["", markdown_table(["run", "group", "what differs", "steps", "final loss", "min loss", "diverged at",
+                                  "status"], runs)]
     if result.get("remedies"):
-        lines += ["", "| remedy | diverged at | final train loss | min train loss | last val loss |",
-                  "|---|---|---|---|---|"]
-        lines += [f"| {m['title']} | {_f(m['diverged_at'], 'd')} | {_f(m['final_loss'])} | {_f(m['min_loss'])} | "
-                  f"{_f(m.get('last_val'))} |" for m in result["remedies"]]
+        remedies = [[m["title"], _f(m["diverged_at"], "d"), _f(m["final_loss"]), _f(m["min_loss"]), _f(m.get("last_val"))]
+                    for m in result["remedies"]]
+        lines += ["", markdown_table(["remedy", "diverged at", "final train loss", "min train loss", "last val loss"],
+                                     remedies)]
     lines += markdown_footer(result)
     return "\n".join(lines) + "\n"
