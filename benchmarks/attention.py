@@ -56,9 +56,9 @@ def make_fn(name: str, reference_path: str | None):
     return lambda q, k, v: flash_attention(q, k, v, is_causal=True, precision=preset, stabilizer=stab)
 
 
-def inputs(t: int):
+def inputs(t: int, b: int = B, h: int = H, d: int = D):
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(B, H, t, D, generator=g).bfloat16() for _ in range(4)]
+    return [torch.randn(b, h, t, d, generator=g).bfloat16() for _ in range(4)]
 
 
 def fwd_bwd(fn, q, k, v, do):
@@ -85,18 +85,28 @@ class PeakSampler(threading.Thread):
             time.sleep(0.0002)
 
 
-def measure_memory(name: str, t: int, reference_path: str | None) -> float:
-    """MiB by which one forward+backward raises the peak RSS of a fresh process."""
+def measure_memory(name: str, t: int, reference_path: str | None, shape: tuple[int, int, int] | None = None,
+                   warmup: bool = False) -> float:
+    """MiB by which one forward+backward raises the peak RSS of a fresh process. For
+    benchmarks/scaling.py: ``shape`` (B, H, D) instead of this script's; ``warmup``: one
+    forward+backward at T = 64 first, so that the code and buffers paged in by the first call
+    (tens of MiB) are not counted - at small shapes they outweigh the attention's own memory."""
     cmd = [sys.executable, __file__, "--_memory", name, str(t)]
     if reference_path:
         cmd += ["--reference", reference_path]
+    if shape:
+        cmd += ["--_shape", *map(str, shape)]
+    if warmup:
+        cmd.append("--_warmup")
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ.copy())
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def _memory_child(name: str, t: int, reference_path: str | None) -> None:
-    q, k, v, do = inputs(t)
+def _memory_child(name: str, t: int, reference_path: str | None, shape=None, warmup: bool = False) -> None:
+    q, k, v, do = inputs(t, *shape) if shape else inputs(t)
     fn = make_fn(name, reference_path)
+    if warmup:
+        fwd_bwd(fn, *(inputs(64, *shape) if shape else inputs(64)))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     before = rss_mib()
     sampler = PeakSampler()
@@ -115,9 +125,11 @@ def main() -> None:
     ap.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--_memory", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--_shape", nargs=3, type=int, help=argparse.SUPPRESS)  # B H D of a --_memory child
+    ap.add_argument("--_warmup", action="store_true", help=argparse.SUPPRESS)  # a --_memory child warms up first
     args = ap.parse_args()
     if args._memory:
-        _memory_child(args._memory[0], int(args._memory[1]), args.reference)
+        _memory_child(args._memory[0], int(args._memory[1]), args.reference, args._shape, args._warmup)
         return
     names = ["sdpa", "math"] + (["reference-code"] if args.reference else [])
     names += [f"{p}/{s}" for p in PRESETS for s in STABILIZERS]
