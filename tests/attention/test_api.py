@@ -1,6 +1,8 @@
 """Public API: argument checking, the SDPA drop-in and override_sdpa."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -73,7 +75,7 @@ def test_sdpa_dropin_matches_torch_on_3d_gqa_and_masks():
     ours = scaled_dot_product_attention(q4, k4, k4, is_causal=True, enable_gqa=True, precision="fp32")
     ref = F.scaled_dot_product_attention(q4, k4, k4, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="dropout_p must be a number in"):  # dropout itself: test_dropout.py
+    with pytest.raises(ValueError, match=r"dropout_p.*1\.5"):  # dropout itself: test_dropout.py
         scaled_dot_product_attention(q, k, v, dropout_p=1.5)
 
 
@@ -166,8 +168,9 @@ def test_kernel_argument():
     a = flash_attention(q, q, q, is_causal=True, stabilizer="safe")
     b = flash_attention(q, q, q, is_causal=True, stabilizer="safe", kernel="pytorch")
     assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="unknown kernel 'cuda'"):
+    with pytest.raises(ValueError, match="'cuda'") as e:
         flash_attention(q, q, q, kernel="cuda")
+    assert e.value.field == "kernel"
     with pytest.raises(ValueError, match="unknown kernel"):
         with override_sdpa(kernel="fast"):
             pass
@@ -204,21 +207,21 @@ def test_flash_options_are_the_one_shape_of_the_options():
     assert opts.capped(30) == opts.capped(30.0) and flash_options(None, {}) is flash_options(None, {})
     flash_options(None, {"block_q": 64})
     for bad in (64.0, True):  # equal to a cached 64 or 1, but not a tile
-        with pytest.raises(OptionError, match="block_q must be None or an integer"):
+        with pytest.raises(OptionError, match=f"^block_q.*{bad!r}$") as e:
             flash_options(None, {"block_q": bad})
+        assert e.value.field == "block_q"
     flash_options(None, {"block_q": 1})
-    with pytest.raises(OptionError, match="block_q must be None or an integer"):
+    with pytest.raises(OptionError, match="^block_q.*True$"):
         flash_options(None, {"block_q": True})
-    for kwargs, msg in [(dict(block_q=0), "block_q must be None or an integer >= 1"), (dict(kernel="cuda"), "unknown kernel"),
-                        (dict(softcap=0.0), "softcap must be a positive float"),
-                        (dict(precision="bf17"), "precision: unknown precision policy 'bf17'"),
-                        (dict(stabilizer="magic"), "stabilizer: unknown stabilizer 'magic'")]:
-        with pytest.raises(OptionError, match=msg) as e:
+    for kwargs in (dict(block_q=0), dict(kernel="cuda"), dict(softcap=0.0), dict(precision="bf17"),
+                   dict(stabilizer="magic")):
+        ((key, value),) = kwargs.items()
+        with pytest.raises(OptionError, match=f"^{key}.*{re.escape(repr(value))}") as e:   # names the key and value
             FlashOptions(**kwargs)
-        assert e.value.field == next(iter(kwargs))
-    with pytest.raises(TypeError, match=r"flash_attention\(\) got unknown option\(s\) \['backend'\]"):
+        assert e.value.field == key
+    with pytest.raises(TypeError, match=r"^flash_attention\(\).*\['backend'\]"):
         flash_attention(q, q, q, backend="pytorch")
-    with pytest.raises(TypeError, match="options must be a FlashOptions"):
+    with pytest.raises(TypeError, match="FlashOptions.*str"):   # what it takes, what it got
         flash_attention(q, q, q, options="paper")
     with pytest.raises(TypeError, match="unknown option"):
         opts.replace(precison="fa2")

@@ -221,7 +221,7 @@ def test_ulp_distance():
 def test_cuda_comparison_refuses_without_a_device():
     with pytest.raises(ValueError, match="no CUDA device"):
         audit.compare_gpu_presets()
-    with pytest.raises(ValueError, match="audit --device cuda: no CUDA device"):
+    with pytest.raises(ValueError, match="--device cuda"):
         audit.run_audit([], device="cuda")
 
 

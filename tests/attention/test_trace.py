@@ -116,11 +116,11 @@ def test_bad_arguments_are_named():
         trace(q[0], k, v, None, "fa2")
     with pytest.raises(TypeError, match="arithmetic must be"):
         trace(q, k, v, do, 3)
-    with pytest.raises(ValueError, match="unknown kernel 'cuda'"):
+    with pytest.raises(ValueError, match="'cuda'"):
         Arithmetic.of("fa2", kernel="cuda")
     with pytest.raises(ValueError, match="unknown precision"):
         trace(q, k, v, do, "fa3")
-    with pytest.raises(ValueError, match="softcap=5.0, but the arithmetic's is 3.0"):
+    with pytest.raises(ValueError, match=r"softcap=5\.0\b.*\b3\.0"):
         trace(q, k, v, do, Arithmetic.of("fa2", softcap=3.0), softcap=5.0)
 
 

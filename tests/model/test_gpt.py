@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashguard.attention import flash_attention, reference_attention
-from flashguard.model import GPT, AttentionSpec, GPTConfig, MODEL_PRESETS, layer_specs, model_config
+from flashguard.attention import reference_attention
+from flashguard.model import GPT, AttentionSpec, GPTConfig, MODEL_PRESETS, SpecError, layer_specs, model_config
 from flashguard.model import attention as attention_module
 
 MICRO = model_config("micro")
@@ -211,7 +211,7 @@ def test_per_layer_specs_in_model():
         _, loss = model(idx, tgt)
     loss.backward()
     assert torch.isfinite(loss)
-    with pytest.raises(ValueError, match="3 AttentionSpecs for n_layer=2"):
+    with pytest.raises(ValueError, match=r"\b3\b.*n_layer=2"):   # names the count and the layers
         GPT(MICRO, [AttentionSpec()] * 3)
     with pytest.raises(TypeError):
         GPT(MICRO, ["sdpa", "sdpa"])
@@ -247,8 +247,9 @@ def test_layer_specs_errors(overrides, match):
 
 
 def test_attention_spec_validation_and_names():
-    with pytest.raises(ValueError, match="unknown backend 'triton'"):
+    with pytest.raises(SpecError, match="'triton'") as e:
         AttentionSpec("triton")
+    assert e.value.field == "backend"
     with pytest.raises(ValueError, match="AttentionSpec.precision"):
         AttentionSpec("flash", precision="bf17")
     with pytest.raises(ValueError, match="AttentionSpec.stabilizer"):
@@ -269,7 +270,7 @@ def test_spec_holds_its_flash_options():
     """A spec's flash fields are checked and resolved once into its FlashOptions (not a field it is
     compared or saved by); an unknown backend (the old name "reference" too) is refused by field."""
     from flashguard.attention import FlashOptions
-    from flashguard.model import BACKENDS, SpecError
+    from flashguard.model import BACKENDS
     from flashguard.numerics import get_policy
     assert BACKENDS == ("sdpa", "flash", "math")
     spec = AttentionSpec("flash", precision="paper", stabilizer="safe", block_q=64)
@@ -277,7 +278,7 @@ def test_spec_holds_its_flash_options():
     assert spec.options.precision is get_policy("paper") and "options" not in spec.settings()
     assert dataclasses.replace(spec, precision="fp32").options.precision is get_policy("fp32")
     assert spec == AttentionSpec("flash", precision="paper", stabilizer="safe", block_q=64)
-    with pytest.raises(SpecError, match="unknown backend 'reference'") as e:
+    with pytest.raises(SpecError, match="'reference'") as e:
         AttentionSpec("reference")
     assert e.value.field == "backend"
 
@@ -426,11 +427,11 @@ def test_model_config_presets_and_errors():
     assert cfg.dropout == 0.1 and cfg.z_loss == 1e-4
     g = model_config("gpt2-124m")
     assert (g.n_layer, g.n_head, g.n_embd, g.block_size, g.vocab_size, g.bias) == (12, 12, 768, 1024, 50304, False)
-    with pytest.raises(ValueError, match="unknown model preset 'gpt3'"):
+    with pytest.raises(ValueError, match="'gpt3'"):
         model_config("gpt3")
     with pytest.raises(ValueError, match="n_layers"):
         model_config("micro", n_layers=3)
-    with pytest.raises(ValueError, match=r"GPTConfig.n_embd \(64\) must be divisible by n_head \(5\)"):
+    with pytest.raises(ValueError, match=r"n_embd\W+64\W.*n_head\W+5\W"):
         model_config("micro", n_head=5)
     assert GPTConfig(**cfg.to_dict()) == cfg
 
@@ -460,7 +461,7 @@ def test_wq_wk_heads_slices():
     g = model.transformer.h[0].attn.c_attn.weight.grad
     assert torch.equal(model.wq_heads(0, grad=True)[2], g[2 * D:3 * D])
     for bad in (-1, 2, 1.0):
-        with pytest.raises(ValueError, match="layer must be in 0..1"):
+        with pytest.raises(ValueError, match=r"\b0\.\.1\b"):   # the valid range
             model.wq_heads(bad)
 
 
@@ -619,7 +620,7 @@ def test_math_backend_drops_what_flash_drops():
                                 dropout_p=0.3)
     torch.testing.assert_close(m, f, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(m, attention_module.attend(AttentionSpec("math"), q, k, v))
-    with pytest.raises(ValueError, match="dropout_p must be a number in"):
+    with pytest.raises(ValueError, match=r"dropout_p.*1\.5"):
         attention_module.attend(AttentionSpec("math"), q, k, v, dropout_p=1.5)
 
 
@@ -637,7 +638,7 @@ def test_set_attention_switches_backends_on_the_same_weights():
     model.set_attention([AttentionSpec("sdpa"), AttentionSpec("flash", precision="fp32")])
     assert [s.backend for s in model.attention_specs] == ["sdpa", "flash"]
     torch.testing.assert_close(model(idx, tgt)[1], sdpa_loss, rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match="1 AttentionSpecs for n_layer=2"):
+    with pytest.raises(ValueError, match=r"\b1\b.*n_layer=2"):
         model.set_attention([AttentionSpec()])
     with pytest.raises(TypeError, match="AttentionSpec"):
         model.transformer.h[0].attn.spec = "flash"
@@ -646,23 +647,27 @@ def test_set_attention_switches_backends_on_the_same_weights():
 def test_attention_spec_kernel_is_checked_and_reaches_flash_attention(monkeypatch):
     """The spec's kernel (flash_attention's kernel=) and tiles go to the call; triton is refused
     for settings it cannot run, by field (SpecError.field), and under soft-capping."""
-    from flashguard.model import KERNELS, SpecError
+    from flashguard.model import KERNELS
     assert KERNELS == ("auto", "pytorch", "triton") and AttentionSpec().kernel == "auto"
-    with pytest.raises(SpecError, match="unknown kernel 'cuda'") as e:
+    with pytest.raises(SpecError, match="'cuda'") as e:
         AttentionSpec("flash", kernel="cuda")
     assert e.value.field == "kernel"
-    with pytest.raises(SpecError, match="triton kernel cannot run precision policy 'paper'"):
+    with pytest.raises(SpecError, match="'paper'") as e:
         AttentionSpec("flash", precision="paper", kernel="triton")
-    with pytest.raises(SpecError, match=r"triton kernel cannot run block_q=512"):
+    assert e.value.field == "kernel"
+    with pytest.raises(SpecError, match="block_q=512") as e:
         AttentionSpec("flash", precision="fa2", kernel="triton", block_q=512)
-    with pytest.raises(SpecError, match="hooks run on the pytorch kernel"):
+    assert e.value.field == "kernel"
+    with pytest.raises(SpecError, match="hook") as e:
         AttentionSpec("flash", precision="fa2", kernel="triton", delta_hook=lambda *a: None)
+    assert e.value.field == "kernel"
     ok = AttentionSpec("flash", precision="fa2", kernel="triton", block_q=64)
     assert ok.short_str() == "flash[fa2,none,64xdefault,triton]"
     with pytest.raises(SpecError, match="softcap"):
         GPT(dataclasses.replace(MICRO, attn_softcap=30.0), ok)
-    with pytest.raises(SpecError, match=r"\['kernel'\] only apply to the flash backend"):
+    with pytest.raises(SpecError, match=r"\['kernel'\].*'sdpa'") as e:   # the misplaced key and the backend
         AttentionSpec("sdpa").with_changes({"kernel": "pytorch"})
+    assert e.value.field == "kernel"
     seen = {}
     real = attention_module.flash_attention
 
