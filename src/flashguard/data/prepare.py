@@ -177,25 +177,37 @@ def prepare_embedded(
     See :mod:`flashguard.data.sources` for what is included and in which order
     (12.6 MB of text, 810 documents, on CPython 3.11 by default). ``max_bytes`` caps the text size.
     """
-    description = embedded_description(include_tests, include_pydoc)
+    return _prepare_embedded(
+        out_dir, embedded_description(include_tests, include_pydoc), desc="embedded corpus",
+        max_bytes=max_bytes, include_tests=include_tests, include_pydoc=include_pydoc,
+        tokenizer=tokenizer, val_fraction=val_fraction, overwrite=overwrite, progress=progress,
+    )
+
+
+def _prepare_embedded(
+    out_dir: str | os.PathLike[str],
+    description: dict,
+    *,
+    desc: str,
+    max_bytes: int | None,
+    include_tests: bool,
+    include_pydoc: bool,
+    cut: Callable[[Iterator[Document]], Iterable[Document]] | None = None,
+    group_of: Callable[[Document], str] | None = None,
+    **options,
+) -> dict:
+    """The embedded corpus (its documents ``cut`` into others when given) through
+    ``prepare_documents``, recorded as ``description``; ``options``: tokenizer, val_fraction,
+    overwrite, progress. Shared by prepare_embedded and prepare_embedded_docs."""
     total = _embedded_total_bytes(include_tests, include_pydoc, max_bytes)
     stats = SourceStats()
     docs = embedded_documents(
         max_bytes=max_bytes, include_tests=include_tests, include_pydoc=include_pydoc, stats=stats
     )
-    recipe = dict(description, max_bytes=max_bytes)
     return prepare_documents(
-        docs,
-        out_dir,
-        tokenizer=tokenizer,
-        val_fraction=val_fraction,
-        source=description,
-        stats=stats,
-        recipe=recipe,
-        overwrite=overwrite,
-        progress=progress,
-        total_bytes=total,
-        desc="embedded corpus",
+        cut(docs) if cut is not None else docs, out_dir, source=description, stats=stats,
+        recipe=dict(description, max_bytes=max_bytes), total_bytes=total, desc=desc, group_of=group_of,
+        **options,
     )
 
 
@@ -228,25 +240,11 @@ def prepare_embedded_docs(
         kind="embedded-docs", doc_min_bytes=doc_min_bytes, doc_max_bytes=doc_max_bytes,
         cut="paragraphs between blank lines, long ones cut at line ends, short ones joined",
     )
-    total = _embedded_total_bytes(include_tests, include_pydoc, max_bytes)
-    stats = SourceStats()
-    sources = embedded_documents(
-        max_bytes=max_bytes, include_tests=include_tests, include_pydoc=include_pydoc, stats=stats
-    )
-    docs = short_documents(sources, min_bytes=doc_min_bytes, max_bytes=doc_max_bytes)
-    return prepare_documents(
-        docs,
-        out_dir,
-        tokenizer=tokenizer,
-        val_fraction=val_fraction,
-        source=description,
-        stats=stats,
-        recipe=dict(description, max_bytes=max_bytes),
-        overwrite=overwrite,
-        progress=progress,
-        total_bytes=total,
-        desc="embedded corpus, short documents",
-        group_of=source_of,
+    return _prepare_embedded(
+        out_dir, description, desc="embedded corpus, short documents",
+        max_bytes=max_bytes, include_tests=include_tests, include_pydoc=include_pydoc,
+        cut=lambda docs: short_documents(docs, min_bytes=doc_min_bytes, max_bytes=doc_max_bytes),
+        group_of=source_of, tokenizer=tokenizer, val_fraction=val_fraction, overwrite=overwrite, progress=progress,
     )
 
 
