@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..repro.presets import RunSpec
+from ..repro.presets import RunSpec, lookup_preset
 
 __all__ = ["InjectionPreset", "INJECTION_PRESETS", "get_injection_preset", "Arm", "arms", "columns"]
 
@@ -81,9 +81,7 @@ INJECTION_PRESETS: dict[str, InjectionPreset] = {p.name: p for p in (
 
 
 def get_injection_preset(name: str) -> InjectionPreset:
-    if name not in INJECTION_PRESETS:
-        raise ValueError(f"no injection grid for preset {name!r}; known: {', '.join(INJECTION_PRESETS)}")
-    return INJECTION_PRESETS[name]
+    return lookup_preset(INJECTION_PRESETS, name, "no injection grid for preset")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..repro.presets import RunSpec
+from ..repro.presets import RunSpec, lookup_preset
 
 __all__ = ["Arithmetic", "LRPreset", "LR_PRESETS", "get_lr_preset", "log_grid", "lr_name", "run_spec",
            "GRID_KEYS", "MIN_LR_FRACTION", "WARMUP_FRACTION"]
@@ -149,6 +149,4 @@ LR_PRESETS: dict[str, LRPreset] = {p.name: p for p in (
 
 
 def get_lr_preset(name: str) -> LRPreset:
-    if name not in LR_PRESETS:
-        raise ValueError(f"no lr-sensitivity grid for preset {name!r}; known: {', '.join(LR_PRESETS)}")
-    return LR_PRESETS[name]
+    return lookup_preset(LR_PRESETS, name, "no lr-sensitivity grid for preset")

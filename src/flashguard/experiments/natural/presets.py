@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...train.shipped import shipped_configs
+from ..repro.presets import lookup_preset
 
 __all__ = ["Arm", "NaturalPreset", "NATURAL_PRESETS", "get_natural_preset", "ARM_KEYS", "FP32", "PAPER",
            "PAPER_FIX", "PAPER_FP32FWD"]
@@ -94,6 +95,4 @@ NATURAL_PRESETS: dict[str, NaturalPreset] = {p.name: p for p in (
 
 
 def get_natural_preset(name: str) -> NaturalPreset:
-    if name not in NATURAL_PRESETS:
-        raise ValueError(f"no natural-preconditions arms for preset {name!r}; known: {', '.join(NATURAL_PRESETS)}")
-    return NATURAL_PRESETS[name]
+    return lookup_preset(NATURAL_PRESETS, name, "no natural-preconditions arms for preset")

@@ -53,10 +53,16 @@ PRESETS: dict[str, ReproPreset] = {p.name: p for p in (
 )}
 
 
+def lookup_preset(presets: dict, name: str, missing: str):
+    """``presets[name]``, or a ValueError: ``missing``, the name and the known names. The
+    experiments' get_*_preset look their presets up through it."""
+    if name not in presets:
+        raise ValueError(f"{missing} {name!r}; known: {', '.join(presets)}")
+    return presets[name]
+
+
 def get_preset(name: str) -> ReproPreset:
-    if name not in PRESETS:
-        raise ValueError(f"unknown repro preset {name!r}; known: {', '.join(PRESETS)}")
-    return PRESETS[name]
+    return lookup_preset(PRESETS, name, "unknown repro preset")
 
 
 def config_path(preset: ReproPreset) -> Path:
