@@ -66,9 +66,9 @@ def test_no_separator_or_no_room_is_a_clear_error(tmp_path, docs_dir):
     ds = TokenDataset(prepare_without_separator(tmp_path, 3, "text " * 30))
     assert ds.doc_separator is None
     ds.sample_indices("train", 2, 8, torch.Generator())  # the uniform draw needs none
-    with pytest.raises(ValueError, match=r"doc_starts needs a document separator, but .*meta.json records none"):
+    with pytest.raises(ValueError, match=r"doc_starts.*meta\.json.*doc_separator"):
         ds.sample_indices("train", 2, 8, torch.Generator(), doc_starts=True)
     big = TokenDataset(docs_dir)
     n = big.num_tokens("val")
-    with pytest.raises(ValueError, match=rf"no document of split 'val' .* block_size {n - 2}"):
+    with pytest.raises(ValueError, match=rf"'val'.*block_size\W+{n - 2}\b"):
         big.sample_indices("val", 2, n - 2, torch.Generator(), doc_starts=True)

@@ -76,7 +76,9 @@ def test_embedded_corpus_order_and_contents():
 def test_auto_tokenizer_choice_is_recorded(tmp_path, empty_tiktoken_cache):
     meta = prepare_embedded(tmp_path / "o", max_bytes=20_000, progress=False)
     assert meta["tokenizer"] == "byte"
-    assert meta["tokenizer_note"].startswith("auto: using byte because")
+    from flashguard.data.tiktoken_cache import gpt2_unavailable_reason
+    note = meta["tokenizer_note"]   # the auto choice, with why gpt2 was not taken
+    assert note.startswith("auto:") and "byte" in note and note.endswith(gpt2_unavailable_reason())
     assert meta["recipe"]["tokenizer"] == "byte"
 
 

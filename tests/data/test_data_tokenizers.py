@@ -1,6 +1,7 @@
 import hashlib
 import importlib.util
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -49,12 +50,12 @@ def test_gpt2_unavailable_offline_without_downloading(empty_tiktoken_cache, no_n
     reason = C.gpt2_unavailable_reason()
     assert "vocab.bpe missing" in reason and str(empty_tiktoken_cache) in reason
     assert "install_gpt2_bpe" in reason
-    with pytest.raises(TokenizerUnavailable, match="GPT-2 tokenizer unavailable"):
+    with pytest.raises(TokenizerUnavailable, match="vocab.bpe"):   # names what is missing
         GPT2Tokenizer()
     with pytest.raises(TokenizerUnavailable):
         get_tokenizer("gpt2")
     tok, note = T.resolve_tokenizer("auto")
-    assert tok.name == "byte" and note.startswith("auto: using byte because")
+    assert tok.name == "byte" and note.startswith("auto:") and note.endswith(reason)   # the choice, and why
     assert list(empty_tiktoken_cache.iterdir()) == []  # nothing was fetched into the cache
 
 
@@ -106,7 +107,8 @@ def test_install_gpt2_bpe_checks_files(tmp_path):
     fake.write_text("#version: 0.2\n")
     enc = tmp_path / "encoder.json"
     enc.write_text("{}")
-    with pytest.raises(ValueError, match="is not GPT-2's vocab.bpe"):
+    digest = hashlib.sha256(fake.read_bytes()).hexdigest()
+    with pytest.raises(ValueError, match=f"{re.escape(str(fake))}.*vocab.bpe.*{digest}"):   # the file, its hash
         install_gpt2_bpe(fake, enc, cache_dir=tmp_path / "cache")
     with pytest.raises(FileNotFoundError):
         install_gpt2_bpe(tmp_path / "missing", enc, cache_dir=tmp_path / "cache")

@@ -269,9 +269,9 @@ def test_injection_goes_into_flash_layers_only():
         with pytest.raises(ConfigError, match=msg):
             install_injection(build_model(bad), bad)
     triton = load_config(MICRO, ['injection.rule="real"', "attention.precision=fa2", "attention.layers.1.kernel=triton"])
-    with pytest.raises(ConfigError, match="layer 1 runs attention.kernel = triton"):
+    with pytest.raises(ConfigError, match=r"\b1\b.*attention\.kernel\W+triton"):
         install_injection(build_model(triton), triton)
     with pytest.raises(ValueError, match="flash backend only"):
         AttentionSpec(backend="sdpa", delta_hook=lambda d, **kw: d)
-    with pytest.raises(TypeError, match="delta_hook must be callable"):
+    with pytest.raises(TypeError, match="delta_hook.*int"):
         flash_attention_with_hooks(*_qkv(B=1, H=1, T=8)[:3], delta_hook=3)

@@ -104,7 +104,7 @@ def test_exact_delta_is_the_reference_and_exact_is_refused_elsewhere():
         DeltaHook(ErrorInjection(point="o"))
     with pytest.raises(ValueError, match="DeltaHook"):
         OutputHook(ErrorInjection())
-    with pytest.raises(TypeError, match="needs a delta_hook or an output_hook"):
+    with pytest.raises(TypeError, match="delta_hook.*output_hook"):
         flash_attention_with_hooks(*_qkv()[:3])
 
 
@@ -116,5 +116,5 @@ def test_the_config_puts_an_o_hook_on_every_flash_layer():
     assert make_hook(ErrorInjection(point="o"), 0, None)[0] == "output_hook"
     with pytest.raises(ConfigError, match="injection.point"):
         load_config(MICRO, ['injection.rule="real"', 'injection.point="q"'])
-    with pytest.raises(ConfigError, match="injection.point is set but injection.rule = none"):
+    with pytest.raises(ConfigError, match=r"injection\.point.*injection\.rule\W+none"):
         load_config(MICRO, ['injection.point="o"'])

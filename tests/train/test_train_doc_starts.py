@@ -57,7 +57,7 @@ def test_doc_starts_needs_a_separator_one_clear_line(tmp_path, capsys):
                 + micro_overrides(data, **{"data.doc_starts": "true"}))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert "data.doc_starts: doc_starts needs a document separator" in err[0]
+    assert "data.doc_starts:" in err[0] and "meta.json" in err[0]   # the key, and the file that lacks one
 
 
 @pytest.mark.parametrize("value,msg", [("1", "data.doc_starts must be bool"), ('"yes"', "data.doc_starts must be bool")])
