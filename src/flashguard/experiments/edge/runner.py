@@ -23,9 +23,8 @@ from ...utils.atomic import atomic_write_text
 from ...utils.table import markdown_table
 from ..lr_sensitivity.analysis import run_outcome
 from ..lr_sensitivity.presets import GRID_KEYS, lr_name, run_spec
-from ..lr_sensitivity.runner import _common, _run_dir, train_grid, warmup_steps
-from ..repro.presets import config_path, get_preset
-from ..repro.runner import _versions, claims_table, markdown_footer
+from ..lr_sensitivity.runner import _common, _run_dir, grid_start, train_grid, warmup_steps
+from ..repro.runner import _versions, check_seeds, claims_table, markdown_footer
 from .analysis import arm_summary, judge_claims, rules_text
 from .figures import survival_curves
 from .presets import EdgePreset
@@ -44,27 +43,17 @@ def _check_overrides(overrides) -> None:
 
 def run_edge(preset: EdgePreset, out: str | Path, *, seeds=None, steps: int | None = None, overrides=(),
              progress: bool = False, keep_checkpoints: bool = False, log=print) -> dict:
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    overrides = list(overrides)
-    _check_overrides(overrides)
-    out = Path(out)
-    base = config_path(get_preset(preset.repro))
-    steps = steps or preset.steps
+    out, base, steps, overrides = grid_start(preset, out, steps, overrides, _check_overrides)
     common = _common(preset, steps, progress, [*preset.probes, *overrides])
     for a in preset.arms:  # every arm's config must load before anything trains
         load_config(base, [*common, *run_spec(a, preset.lrs[0], 0).overrides, f"train.steps={steps}"])
     seeds = list(preset.seeds) if not seeds else [int(s) for s in seeds]
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds: repeated seed in {seeds}")
+    check_seeds(seeds)
     t0 = time.perf_counter()
     sizes = _sizes(out, base, common, preset, seeds[0], log)
     grid = [(seed, a, lr) for seed in seeds for lr in preset.lrs for a in preset.arms]
-    train_grid(grid, out, base, common, steps, log, keep_checkpoints=keep_checkpoints,
-               after=lambda: _write(out, preset, seeds, steps, common, sizes))
-    result = _write(out, preset, seeds, steps, common, sizes)
-    result["wall_s"] = time.perf_counter() - t0
-    return result
+    return train_grid(grid, out, base, common, steps, log, keep_checkpoints=keep_checkpoints,
+                      write=lambda: _write(out, preset, seeds, steps, common, sizes), t0=t0)
 
 
 def _sizes(out: Path, base, common, preset: EdgePreset, seed: int, log) -> dict:

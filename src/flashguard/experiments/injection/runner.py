@@ -23,7 +23,7 @@ from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
 from ...utils.atomic import atomic_write_text
 from ...utils.table import markdown_table
 from ..repro.presets import config_path, get_preset
-from ..repro.runner import _versions, claims_table, markdown_footer, train_run
+from ..repro.runner import _versions, check_seeds, claims_table, markdown_footer, train_run
 from ...utils.jsonl import read_jsonl
 from .analysis import boundaries, cell_outcomes, judge_coherence, run_outcome
 from .coherence import (by_component, judge_leading_layer, judge_runaway, margin, real_bias_ratio,
@@ -51,8 +51,7 @@ def run_injection(preset: InjectionPreset, out: str | Path, *, seeds=None, steps
     first = [o for o in grid[0].run_spec(0).overrides if not o.startswith("train.seed=")]
     cfg0 = load_config(base, [*common, *first])  # validates the overrides before anything trains
     seeds = [cfg0.train.seed] if not seeds else [int(s) for s in seeds]
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds: repeated seed in {seeds}")
+    check_seeds(seeds)
     steps = steps or preset.steps
     for arm in grid:  # every arm's config must load before anything trains ...
         cfg = load_config(base, [*common, *arm.run_spec(seeds[0]).overrides])

@@ -28,12 +28,12 @@ from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
 from ...utils.atomic import atomic_write_text
 from ...utils.table import markdown_table
 from ..repro.presets import config_path, get_preset
-from ..repro.runner import _versions, claims_table, markdown_footer, train_run
+from ..repro.runner import _versions, check_seeds, check_steps, claims_table, markdown_footer, train_run
 from .analysis import (FINAL_WINDOW, curve, judge_fix, judge_harm, mean_curve, compare, rules_text, run_outcome)
 from .figures import lr_curves
 from .presets import GRID_KEYS, WARMUP_FRACTION, LRPreset, lr_name, run_spec
 
-__all__ = ["run_lr_sensitivity", "lr_markdown", "warmup_steps", "train_grid"]
+__all__ = ["run_lr_sensitivity", "lr_markdown", "warmup_steps", "grid_start", "train_grid"]
 
 
 def warmup_steps(steps: int) -> int:
@@ -64,13 +64,7 @@ def _run_dir(out: Path, seed: int, name: str, lr: float) -> Path:
 
 def run_lr_sensitivity(preset: LRPreset, out: str | Path, *, seeds=None, steps: int | None = None, overrides=(),
                        progress: bool = True, keep_checkpoints: bool = False, log=print) -> dict:
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    overrides = list(overrides)
-    _check_overrides(overrides)
-    out = Path(out)
-    base = config_path(get_preset(preset.repro))
-    steps = steps or preset.steps
+    out, base, steps, overrides = grid_start(preset, out, steps, overrides, _check_overrides)
     common = _common(preset, steps, progress, overrides)
     cfg0 = None
     for a in preset.arithmetics:  # every arithmetic's config must load before anything trains
@@ -79,22 +73,28 @@ def run_lr_sensitivity(preset: LRPreset, out: str | Path, *, seeds=None, steps: 
                                  f"train.steps={steps}"])
         cfg0 = cfg0 or cfg
     seeds = [cfg0.train.seed] if not seeds else [int(s) for s in seeds]
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds: repeated seed in {seeds}")
+    check_seeds(seeds)
     t0 = time.perf_counter()
     grid = [(seed, a, lr) for seed in seeds for a in preset.arithmetics for lr in preset.lrs]
-    train_grid(grid, out, base, common, steps, log, keep_checkpoints=keep_checkpoints,
-               after=lambda: _write(out, preset, seeds, steps, common))
-    result = _write(out, preset, seeds, steps, common)
-    result["wall_s"] = time.perf_counter() - t0
-    return result
+    return train_grid(grid, out, base, common, steps, log, keep_checkpoints=keep_checkpoints,
+                      write=lambda: _write(out, preset, seeds, steps, common), t0=t0)
 
 
-def train_grid(grid, out: Path, base, common, steps: int, log, *, keep_checkpoints: bool, after) -> None:
+def grid_start(preset, out, steps, overrides, check_overrides) -> tuple[Path, Path, int, list[str]]:
+    """What the LR and edge experiments do first: ``steps`` checked, ``overrides`` checked by the
+    experiment's ``check_overrides``; (OUT, the repro preset's config, the steps, the overrides)."""
+    check_steps(steps)
+    overrides = list(overrides)
+    check_overrides(overrides)
+    return Path(out), config_path(get_preset(preset.repro)), steps or preset.steps, overrides
+
+
+def train_grid(grid, out: Path, base, common, steps: int, log, *, keep_checkpoints: bool, write, t0: float) -> dict:
     """Train every (seed, arithmetic, lr) of ``grid`` in order into OUT/runs/s<SEED>/<NAME>/lr<LR>
     (the repro's train_run: finished runs skipped, interrupted ones resumed), dropping a finished
-    run's checkpoints unless kept, and calling ``after()`` after each run that trained, so the
-    results survive an interrupt. Shared by the LR and edge experiments."""
+    run's checkpoints unless kept, and calling ``write()`` after each run that trained, so the
+    results survive an interrupt; then ``write()``'s result with its wall time since ``t0``.
+    Shared by the LR and edge experiments."""
     for i, (seed, a, lr) in enumerate(grid, 1):
         spec = run_spec(a, lr, seed)
         d = _run_dir(out, seed, a.name, lr)
@@ -102,7 +102,10 @@ def train_grid(grid, out: Path, base, common, steps: int, log, *, keep_checkpoin
         if train_run(spec, base, common, steps, d, log):
             if not keep_checkpoints:
                 _drop_checkpoints(d, steps)
-            after()
+            write()
+    result = write()
+    result["wall_s"] = time.perf_counter() - t0
+    return result
 
 
 def _drop_checkpoints(run_dir: Path, steps: int) -> None:

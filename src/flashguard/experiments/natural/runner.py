@@ -23,7 +23,7 @@ from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
 from ...utils.atomic import atomic_write_text
 from ...utils.table import markdown_table
 from ..repro.presets import RunSpec
-from ..repro.runner import _versions, claims_table, markdown_footer, train_run
+from ..repro.runner import _versions, check_steps, claims_table, markdown_footer, train_run
 from .analysis import arm_outcome, judge_claims, matched_batches, missing_outcome, rules_text, series_text
 from .presets import ARM_KEYS, NaturalPreset
 
@@ -93,8 +93,7 @@ def run_natural(preset: NaturalPreset, out: str | Path, *, runs: dict | None = N
                 overrides=(), progress: bool = True, log=print) -> dict:
     """Mode (a) (``runs`` None): train every arm under OUT/runs/<arm>/, then judge. Mode (b)
     (``runs`` = {arm: DIR}): judge those folders, training nothing. Returns the result written."""
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    check_steps(steps)
     out = Path(out)
     steps = steps or preset.steps
     overrides = list(overrides)

@@ -27,7 +27,8 @@ from .claims import CLAIMS, judge_claims
 from .presets import CLAIM_RUNS, ReproPreset, config_path, run_specs
 from .summary import summarize_run
 
-__all__ = ["run_repro", "claims_markdown", "claims_table", "markdown_footer", "train_run"]
+__all__ = ["run_repro", "claims_markdown", "claims_table", "markdown_footer", "train_run", "check_steps",
+           "check_seeds"]
 
 
 def _versions() -> dict:
@@ -48,6 +49,18 @@ def claims_table(claims: list[dict]) -> str:
     Shared by the experiments' markdown writers."""
     return markdown_table(["claim", "verdict", "evidence"],
                           [[f"{c['id']}: {c['title']}", f"**{c['verdict']}**", c["evidence"]] for c in claims])
+
+
+def check_steps(steps) -> None:
+    """An experiment's ``steps``: None (the preset's) or an integer >= 1."""
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+
+
+def check_seeds(seeds: list[int]) -> None:
+    """An experiment's seeds: no seed twice."""
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds: repeated seed in {seeds}")
 
 
 def _needed(claims, focus: int) -> set[str]:
@@ -80,8 +93,7 @@ def train_run(spec, base: Path, common: list[str], steps: int, run_dir: Path, lo
 
 def run_repro(preset: ReproPreset, out: str | Path, *, claims=None, remedies: bool = False, steps: int | None = None,
               overrides: list[str] | tuple = (), progress: bool = True, log=print) -> dict:
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    check_steps(steps)
     claims = list(claims or CLAIMS)
     unknown = [c for c in claims if c not in CLAIMS]
     if unknown:
