@@ -82,8 +82,7 @@ def _run_injection_command(args) -> int:
                            overrides=args.overrides)
     for col in result["columns"]:
         print(f"alpha*({col}) {result['boundaries'][col]['text']}")
-    for c in result["claims"]:
-        print(f"{c['id']}  {c['verdict']:<12}  {c['evidence']}")
+    _print_claims(result["claims"])
     print(f"table and runs: {args.out}/injection.md; figures: {', '.join(result['figures'])}")
     return 0
 
@@ -101,13 +100,23 @@ def _seeds(text: str | None) -> list[int] | None:
     return seeds
 
 
+def _refuse(given, experiment: str) -> None:
+    """Refuse by name the options of ``given`` ((name, value) pairs, value None when not given)
+    that were given: --experiment ``experiment`` does not take them."""
+    wrong = [n for n, v in given if v is not None]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)}: not for --experiment {experiment}")
+
+
 def _refuse_claims_options(args, experiment: str) -> None:
     """--claims, --remedies and --runs name what the claims, early-warning and natural experiments
     read; an experiment that trains its own grid refuses them by name."""
-    wrong = [n for n, v in (("--claims", args.claims), ("--remedies", args.remedies or None), ("--runs", args.runs))
-             if v is not None]
-    if wrong:
-        raise ValueError(f"{', '.join(wrong)}: not for --experiment {experiment}")
+    _refuse((("--claims", args.claims), ("--remedies", args.remedies or None), ("--runs", args.runs)), experiment)
+
+
+def _print_claims(claims) -> None:
+    for c in claims:
+        print(f"{c['id']}  {c['verdict']:<12}  {c['evidence']}")
 
 
 def _run_edge_command(args) -> int:
@@ -135,8 +144,7 @@ def _run_lr_sensitivity_command(args) -> int:
         largest = ", ".join("none" if x is None else f"{x:.3g}" for x in m["largest_trainable_lr"])
         sens = "-" if m["sensitivity"] is None else f"{m['sensitivity']:.3f}"
         print(f"{m['arithmetic']:<16} LR sensitivity {sens} (mean over seeds); largest trainable lr per seed {largest}")
-    for c in result["claims"]:
-        print(f"{c['id']}  {c['verdict']:<12}  {c['evidence']}")
+    _print_claims(result["claims"])
     print(f"tables and runs: {args.out}/lr_sensitivity.md; figure: {', '.join(result['figures'])}")
     return 0
 
@@ -144,19 +152,15 @@ def _run_lr_sensitivity_command(args) -> int:
 def _run_natural_command(args) -> int:
     from ..natural import get_natural_preset, parse_runs, run_natural
     from ..natural.analysis import series_text
-    wrong = [n for n, v in (("--seeds", args.seeds), ("--claims", args.claims), ("--remedies", args.remedies or None))
-             if v is not None]
-    if wrong:
-        raise ValueError(f"{', '.join(wrong)}: not for --experiment natural (its arms share one seed, the config's; "
-                         "--claims and --remedies are for claims)")
+    _refuse((("--seeds", args.seeds), ("--claims", args.claims), ("--remedies", args.remedies or None)),
+            "natural (its arms share one seed, the config's; --claims and --remedies are for claims)")
     preset = get_natural_preset(args.preset or "nat512")
     runs = parse_runs(args.runs, preset) if args.runs is not None else None
     result = run_natural(preset, args.out, runs=runs, steps=args.steps, overrides=args.overrides)
     for o in result["outcomes"]:
         leans = "; ".join(series_text(r) for r in o["delta"]) or "no delta probes"
         print(f"{o['arm']:<14} {o['state']}; delta across probes: {leans}")
-    for c in result["claims"]:
-        print(f"{c['id']}  {c['verdict']:<12}  {c['evidence']}")
+    _print_claims(result["claims"])
     print(f"tables: {args.out}/natural.md, {args.out}/natural.json")
     return 0
 
@@ -165,11 +169,9 @@ def _run_early_warning_command(args) -> int:
     from ..early_warning import run_early_warning
     if args.runs is None:
         raise ValueError("--experiment early-warning needs --runs DIR [DIR ...] (folders of finished runs)")
-    wrong = [n for n, v in (("--seeds", args.seeds), ("--claims", args.claims), ("--steps", args.steps),
-                            ("--remedies", args.remedies or None), ("key=value overrides", args.overrides or None))
-             if v is not None]
-    if wrong:
-        raise ValueError(f"{', '.join(wrong)}: not for --experiment early-warning (it trains nothing)")
+    _refuse((("--seeds", args.seeds), ("--claims", args.claims), ("--steps", args.steps),
+             ("--remedies", args.remedies or None), ("key=value overrides", args.overrides or None)),
+            "early-warning (it trains nothing)")
     result = run_early_warning(args.runs, args.out)
     c = result["counts"]
     print(f"{c['runs']} runs: {c['divergent']} divergent, {c['stable']} stable ({len(result['skipped'])} skipped)")
