@@ -76,8 +76,8 @@ def test_fp32_math_attention_passes_and_returns_a_result():
     assert isinstance(result, UnbiasedResult) and result.passed and not result.leans
     assert [c.name for c in result.conditions] == list(DEFAULT_CONDITIONS)
     assert result.unit == "one independent row" and result.rows == 2048 and result.dtype == "fp32"
-    text = str(result)
-    assert "no lean beyond the fp32 noise floor" in text and all(c in text for c in DEFAULT_CONDITIONS)
+    text = str(result)   # the table: one line per condition, none marked
+    assert "FAILS" not in text and "LEANS" not in text and all(f"  {c}: " in text for c in DEFAULT_CONDITIONS)
     d = json.loads(json.dumps(result.to_dict()))
     assert d["passed"] is True and len(d["conditions"]) == len(DEFAULT_CONDITIONS)
 
@@ -92,13 +92,17 @@ def test_a_planted_lean_below_the_max_abs_tolerance_fails_and_is_named():
     for c in conds:  # the planted error hides below a max-abs tolerance ...
         ok, err, err_pt = max_abs_passes(planted_lean, _problem(c))
         assert ok, (c, err, err_pt)
-    with pytest.raises(AssertionError) as info:  # ... and leans in both conditions
+    measured = measure_unbiased(planted_lean, conditions=conds)   # ... and leans in both conditions:
+    assert {(lean.condition, lean.quantity) for lean in measured.leans} == {(c, q) for c in conds for q in ("o", "delta")}
+    for lean in measured.leans:   # O below the truth, delta above it, beyond the floor and against fp64
+        sign = -1 if lean.quantity == "o" else 1
+        assert sign * lean.vs_floor.mean > 0 and sign * lean.vs_floor.z > 0 and sign * lean.own.z > 0, lean
+    with pytest.raises(AssertionError) as info:
         assert_unbiased(planted_lean, conditions=conds)
-    msg = str(info.value)
-    assert "planted_lean (bf16, cpu) leans beyond the fp32 noise floor in 2 of 2 conditions" in msg
-    for c in conds:
-        assert f"{c}: O leans -" in msg and f"{c}: delta = rowsum(dO * O) leans +" in msg
-    assert "z -" in msg and "bias ratio -" in msg and "Unit: one independent row" in msg
+    msg = str(info.value)   # names the kernel, counts the conditions, and gives each lean's numbers
+    head = msg.splitlines()[0]
+    assert all(w in head for w in ("planted_lean", "bf16", "cpu")) and re.search(r"\b2 of 2\b", head)
+    assert all(lean.line() in msg for lean in measured.leans) and measured.unit in msg
     # only the quantities asked for are judged
     with pytest.raises(AssertionError) as info:
         assert_unbiased(planted_lean, conditions=["k8-tail4"], quantities=("o",), name="mine")
@@ -141,7 +145,7 @@ def test_non_finite_output_fails():
         o = F.scaled_dot_product_attention(q, k, v)
         o[..., 0, :] = float("nan")
         return o
-    with pytest.raises(AssertionError, match=r"k2-tail4: 2 of 64 rows have a non-finite O"):
+    with pytest.raises(AssertionError, match=r"k2-tail4\W+2\b.*\b64\b.*non-finite"):   # the condition, how many rows
         assert_unbiased(nan_rows, conditions="k2-tail4", rows=64)
 
 
@@ -155,17 +159,17 @@ def test_condition_sets():
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(attention_fn=42), TypeError, "attention_fn must be callable"),
-    (dict(conditions=["k8-tail4", "k9-tail1"]), ValueError, "unknown condition 'k9-tail1'; known: k2-tail0.25"),
-    (dict(conditions="ties"), ValueError, "unknown condition 'ties'"),
-    (dict(conditions=[]), ValueError, "conditions is empty"),
-    (dict(conditions=3), TypeError, "conditions must be"),
-    (dict(quantities=("o", "dq")), ValueError, r"quantities must be a non-empty subset of \('o', 'delta'\)"),
-    (dict(rows=10), ValueError, "rows must be an integer >= 32, got 10"),
-    (dict(rows=True), ValueError, "rows must be an integer"),
-    (dict(seed=-1), ValueError, "seed must be an integer >= 0"),
-    (dict(dtype=torch.float64), ValueError, "dtype must be one of"),
-    (dict(device="gpu0"), ValueError, "device 'gpu0' is not a torch device"),
+    (dict(attention_fn=42), TypeError, "attention_fn.*int"),       # the argument, then what it got
+    (dict(conditions=["k8-tail4", "k9-tail1"]), ValueError, "'k9-tail1'.*k2-tail0.25"),   # and the known ones
+    (dict(conditions="ties"), ValueError, "'ties'"),
+    (dict(conditions=[]), ValueError, "conditions"),
+    (dict(conditions=3), TypeError, "conditions.*int"),
+    (dict(quantities=("o", "dq")), ValueError, r"quantities.*\('o', 'delta'\).*'dq'"),
+    (dict(rows=10), ValueError, r"rows.*\b32\b.*\b10$"),
+    (dict(rows=True), ValueError, "rows.*True"),
+    (dict(seed=-1), ValueError, "seed.*-1"),
+    (dict(dtype=torch.float64), ValueError, "dtype.*float64"),
+    (dict(device="gpu0"), ValueError, "'gpu0'"),
 ])
 def test_bad_arguments_are_named(kwargs, error, match):
     kw = dict(attention_fn=F.scaled_dot_product_attention, conditions="k2-tail4", rows=64) | kwargs
@@ -180,8 +184,7 @@ def test_bad_arguments_are_named(kwargs, error, match):
     (lambda q, k, v: (F.scaled_dot_product_attention(q, k, v), None), "a tuple"),
 ])
 def test_wrong_output_is_named(bad_fn, got):
-    with pytest.raises(ValueError, match=r"must return a floating tensor of shape \(B, H, T_q, D_v\) = "
-                                         r"\(2, 1, 32, 64\) .* but returned (a torch.bfloat16 tensor of )?" + got):
+    with pytest.raises(ValueError, match=r"\(2, 1, 32, 64\).*" + got):   # the shape it must return, what it returned
         assert_unbiased(bad_fn, conditions="k2-tail4", rows=64)
 
 

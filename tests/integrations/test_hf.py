@@ -274,11 +274,11 @@ def test_register_takes_flash_options():
     with torch.no_grad():
         assert torch.equal(_model("gpt2", "fg-test-kernel", torch.bfloat16, state)(x).logits,
                            _model("gpt2", "fg-test-options", torch.bfloat16, state)(x).logits)
-    with pytest.raises(TypeError, match=r"register\(\) got unknown option\(s\) \['backend'\]"):
+    with pytest.raises(TypeError, match=r"^register\(\).*\['backend'\]"):
         hf.register(name="fg-test-bad", backend="pytorch")
     with pytest.raises(TypeError, match="softcap"):
         hf.register(FlashOptions(softcap=30.0), name="fg-test-bad")
-    with pytest.raises(ValueError, match="unknown kernel 'cuda'"):
+    with pytest.raises(ValueError, match="'cuda'"):
         hf.register(name="fg-test-bad", kernel="cuda")
     assert "fg-test-bad" not in transformers.AttentionInterface()
 
@@ -298,9 +298,10 @@ def test_default_name_is_one_transformers_looks_up():
 
 @pytest.mark.parametrize("name", ["flashguard", "flashguard-fp32", "my_flash"])
 def test_a_name_with_flash_is_refused_before_registering(name):
-    with pytest.raises(ValueError, match=r"contains 'flash'.*hub.*e\.g\. '(?!.*flash)[^']+'") as err:
+    with pytest.raises(ValueError, match=re.escape(repr(name))) as err:   # names the refused name
         hf.register(precision="fp32", name=name)
-    assert hf.DEFAULT_NAME in str(err.value)
+    suggestion = re.search(r"e\.g\. '([^']+)'", str(err.value))[1]
+    assert "flash" not in suggestion and hf.DEFAULT_NAME in str(err.value)   # and one that works
     assert name not in transformers.AttentionInterface()
 
 

@@ -797,9 +797,9 @@ def test_is_representable():
 
 # ------------------------------------------------------------------- 7. errors
 def test_unknown_format_name():
-    with pytest.raises(ValueError, match=r"unknown float format 'fp12'.*bf16.*e4m3.*eXmY"):
+    with pytest.raises(ValueError, match=r"'fp12'.*bf16.*e4m3.*eXmY"):
         get_format("fp12")
-    with pytest.raises(ValueError, match="unknown float format"):
+    with pytest.raises(ValueError, match="'int8'"):
         round_to(torch.ones(2), "int8")
     with pytest.raises(ValueError):
         get_format("e12m3")  # pattern matches, but exponent_bits out of range
