@@ -4,12 +4,19 @@ from __future__ import annotations
 import argparse
 import textwrap
 
-__all__ = ["wrap", "valid_values", "config_option_error"]
+__all__ = ["wrap", "valid_values", "config_option_error", "described_parser"]
 
 
 def wrap(text: str, hang: str = "") -> str:
     """Help text wrapped line by line (the parsers keep line breaks: RawDescriptionHelpFormatter)."""
     return "\n".join(textwrap.fill(line, 79, subsequent_indent=hang, break_on_hyphens=False) for line in text.split("\n"))
+
+
+def described_parser(sub, name: str, help: str, description: str, values: str) -> argparse.ArgumentParser:
+    """A subcommand's parser with a wrapped ``description`` (line breaks kept) and the valid
+    values (``values``, valid_values()) as its epilog."""
+    return sub.add_parser(name, help=help, formatter_class=argparse.RawDescriptionHelpFormatter,
+                          description=wrap(description), epilog="Valid values:\n" + values)
 
 
 def valid_values() -> str:

@@ -1,24 +1,21 @@
 """``flashguard lab``: the rounding-bias lab, its verdicts printed and its tables written."""
 from __future__ import annotations
 
-import argparse
 import sys
 
-from .common import wrap
+from .common import described_parser
 
 NAME, OVERRIDES = "lab", False
 
 
 def add(sub, values: str):
     from ..numerics.policy import POLICIES
-    p = sub.add_parser("lab", help="rounding-bias lab: the study's arithmetic facts with verdicts, open questions",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description=wrap("Measures attention arithmetics on rows with planted ties against fp64 "
-                                        "and the fp32 noise floor: the study's facts (i)-(iii) in --precision with "
-                                        "verdicts, which arithmetic leans under ties and which stabilizer removes "
-                                        "it, where the bias enters, FlashAttention PR #2721. Writes lab.json, "
-                                        "lab.md and figures."),
-                       epilog="Valid values:\n" + values)
+    p = described_parser(sub, "lab", "rounding-bias lab: the study's arithmetic facts with verdicts, open questions",
+                         "Measures attention arithmetics on rows with planted ties against fp64 "
+                         "and the fp32 noise floor: the study's facts (i)-(iii) in --precision with "
+                         "verdicts, which arithmetic leans under ties and which stabilizer removes "
+                         "it, where the bias enters, FlashAttention PR #2721. Writes lab.json, "
+                         "lab.md and figures.", values)
     p.add_argument("--quick", action="store_true", help="fewer conditions and instances (35 s on one core)")
     p.add_argument("--out", default=None, help="output folder for lab.json, lab.md and figures (default: lab for "
                                                "the default precision, lab-PRECISION for another, so that one "

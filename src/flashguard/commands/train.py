@@ -1,25 +1,22 @@
 """``flashguard train``: train a GPT-2 with a TOML config and key=value overrides."""
 from __future__ import annotations
 
-import argparse
 import sys
 
-from .common import wrap
+from .common import described_parser
 
 NAME, OVERRIDES = "train", True
 
 
 def add(sub, values: str):
-    p = sub.add_parser("train", help="train a GPT-2 (single process, or under torchrun)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description=wrap("Train with a TOML config; key=value arguments override it "
-                                        "(e.g. train.steps=200 attention.precision=fa2 "
-                                        "attention.layers.1.precision=fp32). Below, the attention.precision "
-                                        "each shipped config trains: paper, the study's reference bf16 "
-                                        "arithmetic, is there on purpose, to show the mechanism; "
-                                        "attention.precision=fa2 trains in production flash attention's "
-                                        "arithmetic."),
-                       epilog="Valid values:\n" + values)
+    p = described_parser(sub, "train", "train a GPT-2 (single process, or under torchrun)",
+                         "Train with a TOML config; key=value arguments override it "
+                         "(e.g. train.steps=200 attention.precision=fa2 "
+                         "attention.layers.1.precision=fp32). Below, the attention.precision "
+                         "each shipped config trains: paper, the study's reference bf16 "
+                         "arithmetic, is there on purpose, to show the mechanism; "
+                         "attention.precision=fa2 trains in production flash attention's "
+                         "arithmetic.", values)
     p.add_argument("config", help="a shipped config's name (e.g. tiny-cpu) or a TOML file; then any number of "
                                   "dotted key=value overrides")
     p.add_argument("--out", required=True, help="run folder (config.toml, metrics.jsonl, batches.jsonl, checkpoints/)")
