@@ -50,7 +50,7 @@ from ..repro.summary import summarize_run
 
 __all__ = ["HELD", "NOT_HELD", "INCONCLUSIVE", "CLAIMS", "RULES", "arm_outcome", "missing_outcome", "run_config",
            "series_text", "judge_claims", "judge_lean_arises", "judge_control", "judge_fix", "judge_divergence",
-           "matched_batches", "rules_text"]
+           "matched_batches", "rules_text", "state_text"]
 
 HELD, NOT_HELD, INCONCLUSIVE = "held", "not held", "inconclusive"
 LEANS_PLUS = "leans +"      # N1's verdict: the study's sign
@@ -129,17 +129,21 @@ def arm_outcome(run_dir: str | Path, steps: int, *, arm: str, overrides=(), now:
            "delta_split": [{"layer": layer, **row} for layer, row in split_across_probes(recs).items()],
            "census": census.summary() if census is not None else None, "config": run_config(run_dir),
            "metrics_age_s": age}
-    out["state"] = _state(out)
+    out["state"] = state_text(out)
     return out
 
 
-def _state(o: dict) -> str:
+def state_text(o: dict, *, short: bool = False) -> str:
+    """An arm's state from its outcome: a sentence (the outcome's "state"), or, ``short``, a
+    table cell (natural.md's arms table)."""
     if o["status"] == "missing":
         return "not run"
     if o["status"] == "diverged":
-        return f"diverged at step {o['diverged_at']} ({o['divergence']})"
+        return f"diverged at step {o['diverged_at']}" + ("" if short else f" ({o['divergence']})")
     if o["status"] == "done":
-        return f"done ({o['steps']} steps, not diverged)"
+        return "done" if short else f"done ({o['steps']} steps, not diverged)"
+    if short:
+        return f"incomplete (running or stopped at step {o['steps'] - 1})"
     age = o.get("metrics_age_s")
     when = "" if age is None else f"; metrics last written {_age(age)} before this analysis"
     return (f"incomplete: {o['steps']} of {o['target_steps']} steps logged, not diverged so far (still training "

@@ -24,7 +24,8 @@ from ...utils.atomic import atomic_write_text
 from ...utils.table import markdown_table
 from ..repro.presets import RunSpec
 from ..repro.runner import _versions, check_steps, claims_table, markdown_footer, train_run
-from .analysis import arm_outcome, judge_claims, matched_batches, missing_outcome, rules_text, series_text
+from .analysis import (arm_outcome, judge_claims, matched_batches, missing_outcome, rules_text, series_text,
+                       state_text)
 from .presets import ARM_KEYS, NaturalPreset
 
 __all__ = ["run_natural", "natural_markdown", "parse_runs", "common_overrides"]
@@ -163,16 +164,6 @@ def _leans(rows: list[dict]) -> str:
     return "<br>".join(series_text(r) for r in rows) if rows else "no probes"
 
 
-def _status(o: dict) -> str:
-    if o["status"] == "missing":
-        return "not run"
-    if o["status"] == "diverged":
-        return f"diverged at step {o['diverged_at']}"
-    if o["status"] == "partial":
-        return f"incomplete (running or stopped at step {o['steps'] - 1})"
-    return "done"
-
-
 def _matching_text(result: dict) -> str:
     m = result["matching"]
     seeds = sorted({s for s in m["seeds"].values() if s is not None})
@@ -200,7 +191,7 @@ def natural_markdown(result: dict) -> str:
     arms = []
     for o in outcomes:
         val = "-" if o["last_val"] is None else f"{o['last_val']:.3f} (step {o['last_val_step']})"
-        arms.append([f"{o['arm']} (`{' '.join(labels[o['arm']]['overrides'])}`)", _status(o),
+        arms.append([f"{o['arm']} (`{' '.join(labels[o['arm']]['overrides'])}`)", state_text(o, short=True),
                      f"{o['steps']}/{result['steps']}", val, _leans(o["delta"]), _leans(o["O"]), o["census"] or "-"])
     lines += ["", markdown_table(["arm", "status", "steps", "val loss", "delta across probes per layer",
                                   "O across probes per layer", "census"], arms)]
