@@ -18,12 +18,13 @@ def _run(capsys, *argv):
 
 def test_a_missing_model_path_is_named(tmp_path, capsys):
     rc, _, err = _run(capsys, "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o"))
-    assert rc == 2 and f"--model {tmp_path / 'nope'}: no such file or folder" in err
+    assert rc == 2 and f"--model {tmp_path / 'nope'}:" in err and "no such" in err
 
 
 def test_a_folder_that_is_no_checkpoint_is_named(tmp_path, capsys):
     rc, _, err = _run(capsys, "--model", str(tmp_path), "--out", str(tmp_path / "o"))
-    assert rc == 2 and f"--model {tmp_path}: neither a Hugging Face checkpoint folder" in err
+    assert rc == 2 and f"--model {tmp_path}:" in err
+    assert all(what in err for what in ("config.json", "checkpoints/", ".pt"))   # what a checkpoint would have
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +42,14 @@ def flashguard_ckpt(tmp_path_factory):
 def test_a_missing_text_file_is_named_before_the_model_loads(tmp_path, capsys, flashguard_ckpt):
     rc, _, err = _run(capsys, "--model", str(flashguard_ckpt), "--text", str(tmp_path / "t.txt"), "--out",
                       str(tmp_path / "o"))
-    assert rc == 2 and f"--text {tmp_path / 't.txt'}: no such file" in err
+    assert rc == 2 and f"--text {tmp_path / 't.txt'}:" in err and "no such" in err
 
 
 def test_a_text_too_short_says_how_many_tokens_are_needed(tmp_path, capsys, flashguard_ckpt):
     (tmp_path / "t.txt").write_text("a short text")
     rc, _, err = _run(capsys, "--model", str(flashguard_ckpt), "--text", str(tmp_path / "t.txt"), "--out",
                       str(tmp_path / "o"))
-    assert rc == 2 and f"--text {tmp_path / 't.txt'}: 12 tokens" in err and "--seq-len" in err
+    assert rc == 2 and f"--text {tmp_path / 't.txt'}: 12 " in err and "--seq-len" in err   # the count it has
 
 
 def test_a_flashguard_checkpoint_on_sdpa(tmp_path, capsys, flashguard_ckpt):
@@ -56,7 +57,7 @@ def test_a_flashguard_checkpoint_on_sdpa(tmp_path, capsys, flashguard_ckpt):
                       "--steps", "1", "--batch", "2", "--seq-len", "32", "--repeats", "1")
     assert rc == 0, out
     d = json.loads((tmp_path / "o" / "check.json").read_text())
-    assert d["kernel"] == "torch sdpa: flash (cpu)" and len(d["layers"]) == 2
+    assert [L["backend"] for L in d["layers"]] == ["flash", "flash"] and d["kernel"].startswith("torch sdpa")
     assert d["verdict"] in ("none", "low", "high") and all("verdict" in L for L in d["layers"])
     assert "tokenizer byte" in out and f"verdict: {d['verdict']}" in out
 
@@ -88,7 +89,8 @@ def test_a_hugging_face_checkpoint_with_text(tmp_path, capsys, hf_tiny):
                       str(tmp_path / "o"), "--seq-len", "64", "--repeats", "1")
     assert rc == 0, out
     d = json.loads((tmp_path / "o" / "check.json").read_text())
-    assert d["attn_implementation"] == "sdpa" and d["kernel"] == "torch sdpa: flash (cpu)"
+    assert d["attn_implementation"] == "sdpa" and d["kernel"].startswith("torch sdpa")
+    assert [L["backend"] for L in d["layers"]] == ["flash", "flash"]
     assert d["dtype"] == "bf16" and d["precision_mode"] == "autocast"
     assert set(d["fixes"]) == {"fa2", "paper-fp32fwd", "torch sdpa, fp32 inputs"}
     assert d["verdict"] in ("none", "low", "high") and "recommendation" in d
