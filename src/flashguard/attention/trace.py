@@ -135,6 +135,14 @@ class TieCounts:
     multi_one: torch.Tensor  # tiles with >= 2 visible Pbar == 1 (several V rows enter PV exactly)
 
 
+def _error(name: str) -> property:
+    """A Trace's error in ``name``: ``name`` - ``name``_ref, None where either is None."""
+    def error(self):
+        a, b = getattr(self, name), getattr(self, f"{name}_ref")
+        return None if a is None or b is None else a - b
+    return property(error, doc=f"{name} - {name}_ref (None where either is None)")
+
+
 @dataclass
 class Trace:
     """An arithmetic's results and the fp64 reference's, all fp64 (see the module docstring)."""
@@ -156,32 +164,15 @@ class Trace:
     ties: TieCounts | None = None         # None for a black box
     inputs: tuple | None = None           # (q, k, v, dO) as the arithmetic received them (rounded)
 
-    def _err(self, a, b):
-        return None if a is None or b is None else a - b
-
     @property
     def o_err(self):
         return self.o - self.o_ref
 
-    @property
-    def lse_err(self):
-        return self._err(self.lse, self.lse_ref)
-
-    @property
-    def delta_err(self):
-        return self._err(self.delta, self.delta_ref)
-
-    @property
-    def dq_err(self):
-        return self._err(self.dq, self.dq_ref)
-
-    @property
-    def dk_err(self):
-        return self._err(self.dk, self.dk_ref)
-
-    @property
-    def dv_err(self):
-        return self._err(self.dv, self.dv_ref)
+    lse_err = _error("lse")
+    delta_err = _error("delta")
+    dq_err = _error("dq")
+    dk_err = _error("dk")
+    dv_err = _error("dv")
 
 
 class _TieCounter:
