@@ -165,31 +165,44 @@ class SpikeDetector(ScoreDetector):
         return z
 
 
-class MaxLogitDetector(ScoreDetector):
+class _PerLayerDetector(ScoreDetector):
+    """A stateless score of one per-layer key: ``layer_score`` of the numbers a record holds at
+    the keys ``pattern`` matches (no score on a record without any)."""
+
+    pattern: re.Pattern
+
+    def start(self, warmup: int = 0) -> None:
+        pass
+
+    def layer_score(self, vals: list[float]) -> float:
+        raise NotImplementedError
+
+    def score(self, record: dict) -> float | None:
+        vals = [v for k, v in record.items() if self.pattern.fullmatch(k) and _number(v)]
+        return self.layer_score(vals) if vals else None
+
+
+class MaxLogitDetector(_PerLayerDetector):
     name = "max-logit"
+    pattern = _MAX_LOGIT
     grid = (10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 75.0, 100.0, 150.0, 200.0, 300.0, 500.0, 1000.0, 3000.0, 1e4, 1e5)
 
     def __init__(self, threshold: float = 100.0):
         super().__init__(threshold)
         self.about = "largest attention logit over the layers (attn/max_logit/L*), alarm above the threshold"
 
-    def start(self, warmup: int = 0) -> None:
-        pass
-
-    def score(self, record: dict) -> float | None:
-        vals = [v for k, v in record.items() if _MAX_LOGIT.fullmatch(k) and _number(v)]
-        if not vals:
-            return None
+    def layer_score(self, vals: list[float]) -> float:
         return max(math.inf if not math.isfinite(v) else v for v in vals)
 
 
-class SpectralEntropyDetector(ScoreDetector):
+class SpectralEntropyDetector(_PerLayerDetector):
     """score = 1 - min over layers of ``weights/update_entropy/L<l>`` (H in [0, 1], the normalised
     spectral entropy of the W_Q W_K^T update, flashguard.diagnostics.update_entropy); alarm at
     score >= threshold, i.e. some layer's update entropy <= 1 - threshold. None (no score) on a
     record without the key; a non-finite value scores +inf."""
 
     name = "update-entropy"
+    pattern = _UPDATE_ENTROPY
     grid = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
 
     def __init__(self, threshold: float = 0.5):
@@ -198,13 +211,7 @@ class SpectralEntropyDetector(ScoreDetector):
                       "(weights/update_entropy/L*, train.update_entropy_every; after arXiv 2606.28116), alarm at "
                       "score >= threshold; scored where the key is logged")
 
-    def start(self, warmup: int = 0) -> None:
-        pass
-
-    def score(self, record: dict) -> float | None:
-        vals = [v for k, v in record.items() if _UPDATE_ENTROPY.fullmatch(k) and _number(v)]
-        if not vals:
-            return None
+    def layer_score(self, vals: list[float]) -> float:
         if not all(math.isfinite(v) for v in vals):
             return math.inf
         return 1.0 - min(vals)
