@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 MICRO = ROOT / "configs" / "micro.toml"
 
@@ -65,3 +67,12 @@ def crash_at(monkeypatch, step: int) -> None:
         return real(s, *a)
 
     monkeypatch.setattr(loop, "learning_rate", crashing)
+
+
+def interrupted(monkeypatch, step: int, run) -> None:
+    """Call ``run()`` with the training loop interrupted at ``step`` (crash_at): it must stop on
+    the KeyboardInterrupt; the patch is undone after (``monkeypatch.undo()``)."""
+    crash_at(monkeypatch, step)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    monkeypatch.undo()

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from run_helpers import MICRO, crash_at, micro_overrides
+from run_helpers import MICRO, interrupted, micro_overrides
 from flashguard.diagnostics import DiagnosticsHook, ProbeState
 from flashguard.diagnostics.command import add_diagnose_arguments, run_diagnose
 from flashguard.train import ConfigError, JsonlLog, config_to_toml, load_config, train
@@ -123,10 +123,7 @@ def test_resumed_run_continues_the_probes_exactly(tiny_data, tmp_path, monkeypat
     crashed = tmp_path / "crashed"
     cfg = load_config(MICRO, micro_overrides(tiny_data, **{"train.diagnostics_every": 3,
                                                           "train.diagnostics_layers": "[1]"}))
-    crash_at(monkeypatch, 5)
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg, crashed, hooks=[DiagnosticsHook()])
-    monkeypatch.undo()
+    interrupted(monkeypatch, 5, lambda: train(cfg, crashed, hooks=[DiagnosticsHook()]))
     train(cfg, crashed, resume=True, hooks=[DiagnosticsHook()])   # from the checkpoint at 3: redoes the probe at step 3
     a = [_strip_time(r) for r in JsonlLog.read(crashed / "metrics.jsonl")]
     b = [_strip_time(r) for r in JsonlLog.read(probed / "metrics.jsonl")]

@@ -19,7 +19,7 @@ from flashguard.experiments.early_warning import (KillLossSpikeDetector, Spectra
 from flashguard.train import ConfigError, JsonlLog, list_checkpoints, load_checkpoint, load_config, train
 from flashguard.train.hooks import RunInfo, StepInfo
 
-from run_helpers import MICRO, crash_at, micro_overrides
+from run_helpers import MICRO, interrupted, micro_overrides
 
 
 def _losses(values, start=0):
@@ -202,10 +202,7 @@ def test_a_micro_run_logs_the_entropy_and_trains_bit_identically(tiny_data, tmp_
           log_fn=lambda m: None, hooks=[DiagnosticsHook()])
     assert sorted(r[keys.STEP] for r in read_metrics(every2) if keys.UPDATE_ENTROPY.key(0) in r) == [2, 4]
     # a resumed run: its first computed step (3, the checkpoint's) logs nothing, the next ones do
-    crash_at(monkeypatch, 4)
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg, crashed, log_fn=lambda m: None, hooks=[DiagnosticsHook()])
-    monkeypatch.undo()
+    interrupted(monkeypatch, 4, lambda: train(cfg, crashed, log_fn=lambda m: None, hooks=[DiagnosticsHook()]))
     train(cfg, crashed, resume=True, log_fn=lambda m: None, hooks=[DiagnosticsHook()])
     assert _trained(crashed) == _trained(off)
     got = {r[keys.STEP]: keys.UPDATE_ENTROPY.key(0) in r for r in read_metrics(crashed)}

@@ -13,7 +13,7 @@ from flashguard.experiments.edge.presets import CLAIMS, Claim, EdgePreset
 from flashguard.experiments.lr_sensitivity.presets import FP32, PAPER
 from flashguard.train import JsonlLog, load_config
 
-from run_helpers import crash_at
+from run_helpers import interrupted
 
 LABELS = {"fp32": "fp32", "paper": "paper", "fix": "fix"}
 E0 = Claim("E0", "paper diverges more than fp32", "paper", "fp32", "more")
@@ -84,10 +84,8 @@ def test_smoke_run_end_to_end_resumable(tiny_data, tmp_path, monkeypatch, capsys
     preset = get_edge_preset("micro-edge-smoke")
     out = tmp_path / "edge"
     data = [f'data.dir="{tiny_data}"']
-    crash_at(monkeypatch, 8)  # the first run is interrupted after its step-6 checkpoint
-    with pytest.raises(KeyboardInterrupt):
-        run_edge(preset, out, seeds=[1], overrides=data, log=lambda m: None)
-    monkeypatch.undo()
+    # the first run is interrupted after its step-6 checkpoint
+    interrupted(monkeypatch, 8, lambda: run_edge(preset, out, seeds=[1], overrides=data, log=lambda m: None))
     run_edge(preset, out, seeds=[1], overrides=data, log=lambda m: None)
     saved = json.loads((out / "edge.json").read_text())
     assert [r["arm"] for r in saved["runs"]] == [a.name for a in preset.arms]

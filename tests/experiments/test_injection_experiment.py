@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from run_helpers import crash_at
+from run_helpers import interrupted
 
 from flashguard.cli import main
 from flashguard.experiments.injection import (INJECTION_PRESETS, InjectionPreset, arms, boundaries, cell_outcomes,
@@ -97,10 +97,8 @@ def test_injection_smoke_on_micro_matched_resumable(tiny_data, tmp_path, monkeyp
     preset = InjectionPreset("smoke", "micro", alphas=(10,), ps=(0.5, 1.0), steps=6, diagnostics_every=3)
     out = tmp_path / "inj"
     data = [f'data.dir="{tiny_data}"', "train.checkpoint_every=3", 'injection.reference="fp32"']
-    crash_at(monkeypatch, 4)  # the first run is interrupted after its step-3 checkpoint
-    with pytest.raises(KeyboardInterrupt):
-        run_injection(preset, out, overrides=data, progress=False, log=lambda m: None)
-    monkeypatch.undo()
+    # the first run is interrupted after its step-3 checkpoint
+    interrupted(monkeypatch, 4, lambda: run_injection(preset, out, overrides=data, progress=False, log=lambda m: None))
     result = run_injection(preset, out, overrides=data, progress=False, log=lambda m: None)
     saved = json.loads((out / "injection.json").read_text())
     assert [r["name"] for r in saved["runs"]] == ["zero-mean-a10", "coherent-p1-a10", "shuffled-a10", "real-a10"]

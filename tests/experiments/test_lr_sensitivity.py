@@ -8,7 +8,7 @@ import json
 import math
 
 import pytest
-from run_helpers import crash_at
+from run_helpers import interrupted
 
 from flashguard.cli import main
 from flashguard.experiments.lr_sensitivity import (LR_PRESETS, LRPreset, curve, final_loss, get_lr_preset, judge_fix,
@@ -152,10 +152,9 @@ def test_smoke_run_end_to_end_resumable(tiny_data, tmp_path, monkeypatch, capsys
     preset = get_lr_preset("micro-lr-smoke")
     out = tmp_path / "lr"
     data = [f'data.dir="{tiny_data}"']
-    crash_at(monkeypatch, 12)  # the first run is interrupted after its step-10 checkpoint
-    with pytest.raises(KeyboardInterrupt):
-        run_lr_sensitivity(preset, out, seeds=[1], overrides=data, progress=False, log=lambda m: None)
-    monkeypatch.undo()
+    # the first run is interrupted after its step-10 checkpoint
+    interrupted(monkeypatch, 12, lambda: run_lr_sensitivity(preset, out, seeds=[1], overrides=data, progress=False,
+                                                            log=lambda m: None))
     first = out / "runs" / "s1" / "fp32" / "lr0.001"
     assert (first / "checkpoints").is_dir()  # kept to resume from
     result = run_lr_sensitivity(preset, out, seeds=[1], overrides=data, progress=False, log=lambda m: None)

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 import pytest
-from run_helpers import crash_at
+from run_helpers import interrupted
 
 from flashguard import keys
 from flashguard.cli import main
@@ -229,10 +229,8 @@ def test_smoke_run_trains_every_arm_resumable_then_analyses_them(tiny_data, tmp_
     preset = get_natural_preset("natural-smoke")
     out = tmp_path / "nat"
     data = [f'data.dir="{tiny_data}"']
-    crash_at(monkeypatch, 8)   # the first arm is interrupted after its step-6 checkpoint
-    with pytest.raises(KeyboardInterrupt):
-        run_natural(preset, out, overrides=data, progress=False, log=lambda m: None)
-    monkeypatch.undo()
+    # the first arm is interrupted after its step-6 checkpoint
+    interrupted(monkeypatch, 8, lambda: run_natural(preset, out, overrides=data, progress=False, log=lambda m: None))
     assert (out / "runs" / "fp32" / "checkpoints").is_dir()
     result = run_natural(preset, out, overrides=data, progress=False, log=lambda m: None)
     saved = json.loads((out / "natural.json").read_text())

@@ -4,7 +4,7 @@ import json
 import math
 
 import pytest
-from run_helpers import crash_at
+from run_helpers import interrupted
 
 from flashguard import keys
 from flashguard.cli import main
@@ -113,10 +113,9 @@ def test_run_specs_differ_from_the_paper_run_in_one_option():
 def test_repro_smoke_on_micro_every_claim_matched_batches_and_resume(tiny_data, tmp_path, monkeypatch):
     out = tmp_path / "repro"
     data = [f'data.dir="{tiny_data}"', "train.checkpoint_every=10"]
-    crash_at(monkeypatch, 25)  # the first run is interrupted after its step-20 checkpoint
-    with pytest.raises(KeyboardInterrupt):
-        run_repro(get_preset("micro"), out, remedies=True, overrides=data, progress=False, log=lambda m: None)
-    monkeypatch.undo()
+    # the first run is interrupted after its step-20 checkpoint
+    interrupted(monkeypatch, 25, lambda: run_repro(get_preset("micro"), out, remedies=True, overrides=data,
+                                                   progress=False, log=lambda m: None))
     result = run_repro(get_preset("micro"), out, remedies=True, overrides=data, progress=False, log=lambda m: None)
     saved = json.loads((out / "repro.json").read_text())
     assert saved["claims"] == json.loads(json.dumps(result["claims"]))

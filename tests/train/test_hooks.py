@@ -12,7 +12,7 @@ from flashguard.train import ConfigError, JsonlLog, load_config, train
 from flashguard.train.hooks import RunInfo, StepInfo, TrainHook
 from flashguard.train.loggers import Console, JsonlMetrics, Loggers, RunLogger, run_logger
 
-from run_helpers import MICRO, crash_at, micro_overrides
+from run_helpers import MICRO, interrupted, micro_overrides
 
 TIMES = (keys.STEP_TIME, keys.TOKENS_PER_S)
 
@@ -91,10 +91,7 @@ def test_end_is_called_when_the_run_stops_by_an_error_and_resume_calls_start_aga
                                                                                    monkeypatch):
     cfg = load_config(MICRO, micro_overrides(tiny_data))
     rec = Recorder()
-    crash_at(monkeypatch, 4)
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg, tmp_path / "r", hooks=[rec])
-    monkeypatch.undo()
+    interrupted(monkeypatch, 4, lambda: train(cfg, tmp_path / "r", hooks=[rec]))
     assert rec.calls[-2:] == [("begin", 4), ("end", None)]
     again = Recorder()
     result = train(cfg, tmp_path / "r", resume=True, hooks=[again])

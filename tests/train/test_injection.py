@@ -18,7 +18,7 @@ from flashguard.train import ConfigError, JsonlLog, build_model, list_checkpoint
 from flashguard.train.config import config_to_toml
 from flashguard.train.injection import install_injection
 
-from run_helpers import ROOT, crash_at, micro_overrides
+from run_helpers import ROOT, interrupted, micro_overrides
 
 MICRO = ROOT / "configs" / "micro.toml"
 
@@ -219,10 +219,7 @@ def test_training_with_injection_is_saved_matched_and_resumes_bit_for_bit(tiny_d
     assert saved.injection == cfg.injection and saved.injection.p == 0.75 and "[injection]" in config_to_toml(cfg)
     assert _losses(full) != _losses(none)
     assert JsonlLog.read(full / "batches.jsonl") == JsonlLog.read(none / "batches.jsonl")  # same batches
-    crash_at(monkeypatch, 4)
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg, crashed)
-    monkeypatch.undo()
+    interrupted(monkeypatch, 4, lambda: train(cfg, crashed))
     train(cfg, crashed, resume=True)
     assert _losses(crashed) == _losses(full)
 

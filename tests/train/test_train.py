@@ -15,7 +15,7 @@ import pytest
 from flashguard.cli import main
 from flashguard.train import EXIT_DIVERGED, JsonlLog, list_checkpoints, load_config, train
 
-from run_helpers import ROOT, crash_at, micro_overrides
+from run_helpers import ROOT, interrupted, micro_overrides
 
 MICRO = ROOT / "configs" / "micro.toml"
 
@@ -44,10 +44,7 @@ def test_resume_equals_uninterrupted_bit_for_bit(tiny_data, tmp_path, monkeypatc
     full = tmp_path / "full"
     train(load_config(MICRO, micro_overrides(tiny_data)), full)
     crashed = tmp_path / "crashed"
-    crash_at(monkeypatch, 4)
-    with pytest.raises(KeyboardInterrupt):
-        train(load_config(MICRO, micro_overrides(tiny_data)), crashed)
-    monkeypatch.undo()
+    interrupted(monkeypatch, 4, lambda: train(load_config(MICRO, micro_overrides(tiny_data)), crashed))
     assert max(_losses(crashed)) == 3  # step 3 ran after the checkpoint at 3 and will be redone
     train(load_config(MICRO, micro_overrides(tiny_data)), crashed, resume=True)
     assert _losses(crashed) == _losses(full)  # exact equality of floats
@@ -66,10 +63,7 @@ def test_attn_dropout_trains_and_resumes_bit_for_bit(tiny_data, tmp_path, monkey
     assert load_config(plain / "config.toml").model.attn_dropout == 0.0
     assert _losses(full)[0] != _losses(plain)[0]
     crashed = tmp_path / "crashed"
-    crash_at(monkeypatch, 4)
-    with pytest.raises(KeyboardInterrupt):
-        train(load_config(MICRO, over), crashed)
-    monkeypatch.undo()
+    interrupted(monkeypatch, 4, lambda: train(load_config(MICRO, over), crashed))
     train(load_config(MICRO, over), crashed, resume=True)
     assert _losses(crashed) == _losses(full)  # exact equality of floats
     vals = lambda run: [r["loss/val"] for r in JsonlLog.read(run / "metrics.jsonl") if "loss/val" in r]  # noqa: E731

@@ -8,7 +8,7 @@ from flashguard.cli import main
 from flashguard.data import TokenDataset
 from flashguard.train import ConfigError, JsonlLog, load_config, train
 
-from run_helpers import MICRO, crash_at, micro_overrides, prepare_without_separator
+from run_helpers import MICRO, interrupted, micro_overrides, prepare_without_separator
 
 # batches.jsonl of a 3-step micro run on the tiny corpus, recorded before data.doc_starts existed
 BEFORE = [
@@ -43,10 +43,8 @@ def test_doc_starts_on_starts_every_window_after_a_separator_reproducibly(tiny_d
 def test_doc_starts_run_resumes_to_the_same_batches(tiny_data, tmp_path, monkeypatch):
     extra = {"data.doc_starts": "true", "train.eval_every": 0}
     train(load_config(MICRO, micro_overrides(tiny_data, **extra)), tmp_path / "full", log_fn=lambda *a: None)
-    crash_at(monkeypatch, 4)
-    with pytest.raises(KeyboardInterrupt):
-        train(load_config(MICRO, micro_overrides(tiny_data, **extra)), tmp_path / "cut", log_fn=lambda *a: None)
-    monkeypatch.undo()
+    interrupted(monkeypatch, 4, lambda: train(load_config(MICRO, micro_overrides(tiny_data, **extra)), tmp_path / "cut",
+                                              log_fn=lambda *a: None))
     train(load_config(MICRO, micro_overrides(tiny_data, **extra)), tmp_path / "cut", resume=True, log_fn=lambda *a: None)
     assert _batches(tmp_path / "cut") == _batches(tmp_path / "full")
 
