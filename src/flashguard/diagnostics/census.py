@@ -131,9 +131,23 @@ def _share(num, den) -> float:
 
 
 def census_metrics(sh) -> dict:
-    """The census keys of one layer's ``probes.Shadow`` (empty for a layer without a policy)."""
-    if sh.trace is None or sh.arithmetic is None:
+    """The census keys of one layer's ``probes.Shadow`` (empty for a layer without a trace). For
+    the SDPA kernel measured as a black box (``sh.arithmetic`` None: no tiles, no rounded scores)
+    only the row-unit keys (o_err_z_row, o_err_ratio_row, delta_err_z_row, delta_err_ratio_row)."""
+    if sh.trace is None:
         return {}
+    out = {} if sh.arithmetic is None else _tied_key_metrics(sh)
+    t = sh.trace
+    o = row_bias(t.o_err)
+    out[keys.O_ERR_Z_ROW.key(sh.layer)], out[keys.O_ERR_RATIO_ROW.key(sh.layer)] = o.z, o.bias_ratio
+    if t.delta is not None:
+        d = row_bias(t.delta_err, feature_dim=False)
+        out[keys.DELTA_ERR_Z_ROW.key(sh.layer)], out[keys.DELTA_ERR_RATIO_ROW.key(sh.layer)] = d.z, d.bias_ratio
+    return out
+
+
+def _tied_key_metrics(sh) -> dict:
+    """exact_tie_rate, tie_at_sink(_chance) and v_sign_agree of the shadow's arithmetic, per head and layer."""
     layer, t = sh.layer, sh.trace
     q, k, v, _ = t.inputs
     c = tied_keys(q, k, v, sh.arithmetic, causal=sh.causal, scale=sh.scale, softcap=sh.softcap)
@@ -148,9 +162,4 @@ def census_metrics(sh) -> dict:
     out[keys.TIE_AT_SINK.key(layer)] = _share(c.at_sink.sum(), tied)
     out[keys.TIE_AT_SINK_CHANCE.key(layer)] = _share(c.at_sink_chance.sum(), tied)
     out[keys.V_SIGN_AGREE.key(layer)] = _share(c.agree.sum(), tied)
-    o = row_bias(t.o_err)
-    out[keys.O_ERR_Z_ROW.key(layer)], out[keys.O_ERR_RATIO_ROW.key(layer)] = o.z, o.bias_ratio
-    if t.delta is not None:
-        d = row_bias(t.delta_err, feature_dim=False)
-        out[keys.DELTA_ERR_Z_ROW.key(layer)], out[keys.DELTA_ERR_RATIO_ROW.key(layer)] = d.z, d.bias_ratio
     return out

@@ -19,8 +19,9 @@ Attention (``attention_metrics``, from the fp64 attention of the layer's inputs)
   attn/sink_top_frac/Ll                      fraction of those rows whose largest weight is key 0
 
 Numerics (``numerics_metrics``; the layer's attention once more in the training policy,
-kernel and tiles, next to fp64, measured by ``flashguard.attention.trace``; only for layers whose
-backend is flash, or with an explicit ``precision``):
+kernel and tiles, next to fp64, measured by ``flashguard.attention.trace``; for layers whose
+backend is flash, or with an explicit ``precision``; for a layer that trains through torch's
+SDPA, the kernel itself - see "Under the sdpa backend" below):
   numerics/tie_rate/LlHh, numerics/tie_rate/Ll   fraction of (row, key tile) pairs whose maximum
         repeats under the layer's stabilizer's own tie rule (``Stabilizer.tied``): an exact
         repeat for ``none`` and ``safe``; >= 2 scores within ``tol`` of the max, compared in the
@@ -42,6 +43,28 @@ backend is flash, or with an explicit ``precision``):
   numerics/o_err_z/Ll, numerics/delta_err_z/Ll   z of the mean error of O / delta over independent
         units, one value per (sequence, head) (attention.error_stats): the rows of a sequence share
         its keys and values; |z| >= 3.29 is a lean at p < 0.001 (against fp64, not the floor)
+
+Under the sdpa backend (a layer whose effective backend is ``sdpa``, no explicit ``precision``):
+the probes measure the kernel torch ran, not a model of it. The layer's own SDPA call (the
+model's ``attend`` with the layer's spec: is_causal=True, torch's default scale, no mask; the
+attention dropout is not replayed, as on the flash path) runs once more on the captured q, k, v
+in the dtype the layer gave them (bf16 under autocast) as a black box (``trace`` with a
+callable), its backward by autograd against the captured dO, next to fp64 on the same inputs.
+On CPU in bf16 that is torch's fused flash kernel; on CUDA whatever kernel torch picks for the
+call. Written, with the flash path's keys and meanings: o_err_bias, o_err_abs,
+o_err_bias_absmax, o_err_bias_vsign, o_err_z; delta_err_mean, _abs, _rel, _pos_frac, _cumsum,
+_z; the census's o_err_z_row, o_err_ratio_row, delta_err_z_row, delta_err_ratio_row; the delta
+split's delta_from_o_mean/_z and delta_own_mean/_z; the grad/wq_err_* keys (from the kernel's
+dQ). **delta's source is the kernel's O** (``Shadow.delta_source`` = ``"kernel O"``): the
+kernel's internal delta is not observable from outside, so delta_lp = rowsum(dO * O_kernel)
+with the product and sum in fp32, as production backward passes take it; delta_from_o (O's part,
+fully the kernel's) is the kernel's, delta_own is that fp32 sum's, not the kernel's. Left out
+(they need the kernel's tiles and its rounded scores, which a black box does not show, and
+flashguard's model of the kernel would be counting its own ties, not the kernel's): tie_rate,
+pbar_one, pbar_one_multi, exact_tie_rate, tie_at_sink, tie_at_sink_chance, v_sign_agree,
+tied_row_frac and the delta split's tied / untied means. A flash arm with the kernel's model
+(``precision=torch-cpu``, the same 512-wide key tile) counts those. dK and dV errors are in the
+trace but, as on the flash path, not written.
 
 Preconditions census (``census.census_metrics``, with the numerics): numerics/exact_tie_rate,
 numerics/tie_at_sink, numerics/v_sign_agree (per layer and head), numerics/o_err_z_row,
@@ -79,14 +102,18 @@ from ..attention.trace import Arithmetic, Trace, trace
 from ..attention.triton_flash import forward_tiles
 from ..numerics.policy import PrecisionPolicy, get_policy
 from .capture import LayerCapture, resolve_layers
+from ..model.attention import AttentionSpec, attend
 from .census import census_metrics
 from .state import ProbeState
 
 __all__ = ["weight_probe", "spectral_norms", "Shadow", "shadow", "attention_metrics", "numerics_metrics",
            "gradient_error_metrics", "error_structure", "map_dq_to_wq", "probe_layer", "run_probes",
-           "N_SINGULAR"]
+           "N_SINGULAR", "KERNEL_LABEL", "KERNEL_DELTA_SOURCE", "kernel_call"]
 
 N_SINGULAR = 4          # singular values of the gradient error written to the metrics
+# what a layer that trains through SDPA is measured as (the kernel itself, a black box) and where its delta comes from
+KERNEL_LABEL = "torch sdpa: the layer's own kernel (black box)"
+KERNEL_DELTA_SOURCE = "kernel O"
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,6 +170,15 @@ class Shadow:
     causal: bool = True
     scale: float = 1.0                 # the attention scale the layer used
     softcap: float | None = None
+    kernel: str | None = None          # KERNEL_LABEL when the trace measured the layer's SDPA kernel itself
+
+    @property
+    def delta_source(self) -> str | None:
+        """Where delta_lp comes from: the policy's ``delta_source``, or ``"kernel O"`` for the SDPA
+        kernel (rowsum(dO * O_kernel) in fp32; the kernel's internal delta is not observable)."""
+        if self.trace is None:
+            return None
+        return KERNEL_DELTA_SOURCE if self.kernel is not None else self.trace.delta_source
 
     @property
     def o_lp(self):
@@ -198,10 +234,39 @@ def _scores64(q, k, *, causal: bool, scale: float, softcap: float | None):
     return s, keep
 
 
+def kernel_call(cap: LayerCapture):
+    """The SDPA call a layer that trains through SDPA made, as ``fn(q, k, v) -> o``: the model's
+    own ``attend`` with the layer's spec (flashguard.model.attention: is_causal=True, torch's
+    default scale, no mask), without attention dropout; for a capture without an AttentionSpec
+    (an SDPA call captured elsewhere) ``F.scaled_dot_product_attention`` with the capture's causal
+    flag and scale."""
+    spec = cap.spec
+    if isinstance(spec, AttentionSpec):
+        if not cap.causal or cap.scale is not None:
+            raise ValueError("a layer with an AttentionSpec attends causally at torch's default scale "
+                             f"(model.attention.attend); this capture has causal={cap.causal}, scale={cap.scale}")
+        return lambda q, k, v: attend(spec, q, k, v, softcap=cap.softcap)
+    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=cap.causal, scale=cap.scale)
+
+
+def _policy_trace(cap: LayerCapture, policy, stab, scale: float, grad: bool):
+    """The trace of the layer's flash arithmetic (kernel and tiles as it trains) and that arithmetic."""
+    arith = _trained_arithmetic(cap, policy, stab)
+    t = trace(cap.q, cap.k, cap.v, cap.do, arith, causal=cap.causal, scale=scale, softcap=cap.softcap,
+              grads=grad)
+    if t.ties is None:  # the triton kernel does not expose its tiles' maxima: count them on the
+        # PyTorch path with the same policy, stabilizer and tiles (forward only)
+        counted = trace(cap.q, cap.k, cap.v, None, arith.replace(kernel="pytorch"),
+                        causal=cap.causal, scale=scale, softcap=cap.softcap, grads=False)
+        t = dataclasses.replace(t, ties=counted.ties)
+    return t, arith
+
+
 def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = True) -> Shadow:
     """Run the layer's attention on the captured batch in the training policy (kernel and tiles
     as the layer trains: pytorch or triton, see _trained_arithmetic) and in fp64 (``attention.trace``); with ``grad`` (and a captured dO) also both
-    backward passes.
+    backward passes. A layer that trains through SDPA (no explicit ``precision``) is measured as
+    its kernel itself: its own SDPA call (``kernel_call``) as a black box, its gradients by autograd.
 
     The global RNG (used by stochastic rounding) is forked, so training is not disturbed."""
     policy, stab = _resolve(cap, precision, stabilizer)
@@ -209,26 +274,25 @@ def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = T
     dev = cap.q.device
     fork = torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else [])
     with torch.no_grad(), torch.autocast(dev.type, enabled=False), fork:
-        t = arith = None
-        if policy is None:
+        t = arith = kernel = None
+        if policy is None and cap.backend == "sdpa":
+            kernel = KERNEL_LABEL
+            t = trace(cap.q, cap.k, cap.v, cap.do, kernel_call(cap), causal=cap.causal, scale=scale,
+                      softcap=cap.softcap, grads=grad, label=kernel)
+            q_in, k_in, v_in, _ = t.inputs
+            lse = t.lse_ref
+        elif policy is None:
             q_in, k_in, v_in = cap.q, cap.k, cap.v
             _, lse = reference_attention(q_in, k_in, v_in, is_causal=cap.causal, scale=scale, softcap=cap.softcap,
                                          return_lse=True)
         else:
-            arith = _trained_arithmetic(cap, policy, stab)
-            t = trace(cap.q, cap.k, cap.v, cap.do, arith, causal=cap.causal, scale=scale, softcap=cap.softcap,
-                      grads=grad)
-            if t.ties is None:  # the triton kernel does not expose its tiles' maxima: count them on the
-                # PyTorch path with the same policy, stabilizer and tiles (forward only)
-                counted = trace(cap.q, cap.k, cap.v, None, arith.replace(kernel="pytorch"),
-                                causal=cap.causal, scale=scale, softcap=cap.softcap, grads=False)
-                t = dataclasses.replace(t, ties=counted.ties)
+            t, arith = _policy_trace(cap, policy, stab, scale, grad)
             q_in, k_in, v_in, _ = t.inputs
             lse = t.lse_ref
         s, keep = _scores64(q_in, k_in, causal=cap.causal, scale=scale, softcap=cap.softcap)
         p = torch.exp(s - lse.to(torch.float64).unsqueeze(-1))
         return Shadow(layer=cap.layer, policy=policy, stabilizer=stab, s=s, p=p, keep=keep, v_in=v_in, trace=t,
-                      arithmetic=arith, causal=cap.causal, scale=scale, softcap=cap.softcap)
+                      arithmetic=arith, causal=cap.causal, scale=scale, softcap=cap.softcap, kernel=kernel)
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,12 +322,8 @@ def _ratio(a, b):
     return float(a / b) if float(b) > 0 else 0.0
 
 
-def numerics_metrics(sh: Shadow, *, state: ProbeState | None = None, details: dict | None = None) -> dict:
-    """Tie rate, Pbar == 1, O error bias and the delta error (empty without a policy)."""
-    if sh.policy is None:
-        return {}
-    layer, t = sh.layer, sh.trace
-    ties = t.ties
+def _tie_metrics(ties, layer: int) -> dict:
+    """Tie rate, Pbar == 1 and rows with several Pbar == 1, per head and per layer."""
     per_head = lambda x: x.sum(dim=(0, 2))  # noqa: E731  (B, H, T) -> (H,)
     tiles, tied, entries, one, multi = (per_head(x) for x in (ties.tiles, ties.tied, ties.entries, ties.pbar_one,
                                                                  ties.multi_one))
@@ -275,6 +335,20 @@ def numerics_metrics(sh: Shadow, *, state: ProbeState | None = None, details: di
     out[keys.TIE_RATE.key(layer)] = _ratio(tied.sum(), tiles.sum())
     out[keys.PBAR_ONE.key(layer)] = _ratio(one.sum(), entries.sum())
     out[keys.PBAR_ONE_MULTI.key(layer)] = _ratio(multi.sum(), tiles.sum())
+    return out
+
+
+def numerics_metrics(sh: Shadow, *, state: ProbeState | None = None, details: dict | None = None) -> dict:
+    """Tie rate, Pbar == 1, O error bias and the delta error (empty without a trace: a layer with
+    neither a policy nor the SDPA kernel). For the SDPA kernel (a black box: no tiles) the tie
+    and Pbar == 1 keys are left out and delta is taken from the kernel's O (module docstring)."""
+    if sh.trace is None:
+        return {}
+    layer, t = sh.layer, sh.trace
+    ties = t.ties
+    out = {} if ties is None else _tie_metrics(ties, layer)
+    if details is not None and sh.kernel is not None:
+        details["measured"], details["delta_source"] = sh.kernel, sh.delta_source
 
     err = t.o_err                                                  # (B, H, T, D)
     bias_f = err.mean(dim=(0, 2))                                  # (H, D) per feature
@@ -303,28 +377,31 @@ def numerics_metrics(sh: Shadow, *, state: ProbeState | None = None, details: di
             cum = state.delta_sum.get(layer, 0.0)
         out[keys.DELTA_ERR_CUMSUM.key(layer)] = cum
         if t.delta_source == "o_lowp" and t.inputs is not None and t.inputs[3] is not None:
-            out.update(delta_split_metrics(t, ties.multi_one > 0, layer))
+            out.update(delta_split_metrics(t, None if ties is None else ties.multi_one > 0, layer))
     return out
 
 
-def delta_split_metrics(t, tied_rows: torch.Tensor, layer: int) -> dict:
+def delta_split_metrics(t, tied_rows: torch.Tensor | None, layer: int) -> dict:
     """delta's error (delta_lp - delta_ref, (B, H, T)) split where it is born: ``from_o``, the
     part O's error carries (rowsum(dO * O_lp) in fp64 - delta_ref, dO as the backward rounded it)
     and ``own``, the part delta's own product and sum add (delta_lp - rowsum(dO * O_lp) in fp64);
     the two add up to the error. Each part's mean and z over (sequence, head) units (the unit of
     DELTA_ERR_Z), and its mean over the rows with several Pbar == 1 in one tile (``tied_rows``,
     (B, H, T) bool) and over the others (each left out when it has no rows: no value, not a
-    made-up one)."""
+    made-up one). ``tied_rows`` None (a black box shows no tiles): the tied / untied means and
+    the tied-row share are left out."""
     do = t.inputs[3].to(torch.float64)
     exact_of_lp = (do * t.o).sum(dim=-1)                           # (B, H, T)
     parts = {"from_o": exact_of_lp - t.delta_ref, "own": t.delta - exact_of_lp}
     names = {"from_o": (keys.DELTA_FROM_O_MEAN, keys.DELTA_FROM_O_Z, keys.DELTA_FROM_O_TIED, keys.DELTA_FROM_O_UNTIED),
              "own": (keys.DELTA_OWN_MEAN, keys.DELTA_OWN_Z, keys.DELTA_OWN_TIED, keys.DELTA_OWN_UNTIED)}
-    out = {keys.TIED_ROW_FRAC.key(layer): float(tied_rows.to(torch.float64).mean())}
+    out = {} if tied_rows is None else {keys.TIED_ROW_FRAC.key(layer): float(tied_rows.to(torch.float64).mean())}
     for part, x in parts.items():
         mean_k, z_k, tied_k, untied_k = names[part]
         out[mean_k.key(layer)] = float(x.mean())
         out[z_k.key(layer)] = bias_stats(unit_means(x, "sequence", feature_dim=False), "sequence").z
+        if tied_rows is None:
+            continue
         for key, rows in ((tied_k, tied_rows), (untied_k, ~tied_rows)):
             if rows.any():
                 out[key.key(layer)] = float(x[rows].mean())
