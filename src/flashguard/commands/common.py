@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import textwrap
 
-__all__ = ["wrap", "valid_values", "config_option_error", "described_parser"]
+__all__ = ["wrap", "valid_values", "config_option_error", "described_parser", "delegated"]
 
 
 def wrap(text: str, hang: str = "") -> str:
@@ -17,6 +17,20 @@ def described_parser(sub, name: str, help: str, description: str, values: str) -
     values (``values``, valid_values()) as its epilog."""
     return sub.add_parser(name, help=help, formatter_class=argparse.RawDescriptionHelpFormatter,
                           description=wrap(description), epilog="Valid values:\n" + values)
+
+
+def delegated(name: str, help: str, load):
+    """``add(sub, values)`` and ``run(args)`` of a subcommand whose arguments and entry live in its
+    own package: ``load()`` imports them there, (add_arguments, run), when they are first needed."""
+    def add(sub, values: str):
+        p = sub.add_parser(name, help=help)
+        load()[0](p)
+        return p
+
+    def run(args) -> int:
+        return load()[1](args)
+
+    return add, run
 
 
 def valid_values() -> str:

@@ -1,16 +1,14 @@
 """``flashguard prepare``: its arguments and entry live in flashguard.data.command."""
 from __future__ import annotations
 
+from .common import delegated
+
 NAME, OVERRIDES = "prepare", False
 
 
-def add(sub, values: str):
-    from ..data.command import add_prepare_arguments
-    p = sub.add_parser("prepare", help="tokenize a corpus into nanoGPT-style train.bin / val.bin")
-    add_prepare_arguments(p)
-    return p
+def _load():
+    from ..data.command import add_prepare_arguments, run_prepare
+    return add_prepare_arguments, run_prepare
 
 
-def run(args) -> int:
-    from ..data.command import run_prepare
-    return run_prepare(args)
+add, run = delegated(NAME, "tokenize a corpus into nanoGPT-style train.bin / val.bin", _load)
