@@ -7,7 +7,7 @@ import torch
 
 from flashguard import keys
 from flashguard.attention.error_stats import Z_CRIT
-from flashguard.diagnostics.across_probes import lean_across_probes
+from flashguard.diagnostics.across_probes import format_across_probes, lean_across_probes
 from flashguard.diagnostics.census_table import Census, census_from_records, format_census
 
 
@@ -60,6 +60,6 @@ def test_the_census_carries_it_and_survives_json():
     c = census_from_records(_records([1.5] * 12, 0.05))
     assert c.across["delta"][0].verdict == "leans +"
     text = format_census(c)
-    assert "bias across the probes" in text and "Stouffer z +5.2" in text
+    assert format_across_probes(c.across["delta"]) in text and "Stouffer z +5.2" in text
     back = Census.from_dict(json.loads(json.dumps(c.to_dict())))
     assert back.across == c.across and format_census(back) == text

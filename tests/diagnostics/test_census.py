@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ from flashguard import keys
 from flashguard.attention.trace import Arithmetic
 from flashguard.diagnostics import LayerCapture, probe_layer
 from flashguard.diagnostics.census import row_bias, tied_keys
-from flashguard.diagnostics.census_table import ABSENT, PRESENT, WEAK, census_from_records, format_census
+from flashguard.diagnostics.census_table import (ABSENT, PRECONDITIONS, PRESENT, WEAK, Census, census_from_records,
+                                                 format_census)
+from md_helpers import section, table_dicts, tables
 from flashguard.model import AttentionSpec
 
 TIE_ROWS = ("ties", "tie_at_sink", "multi_one", "v_sign")
@@ -46,8 +49,9 @@ def test_planted_ties_at_the_sink_with_one_signed_v_read_present_on_every_row():
     assert row["tie_at_sink"].value == 1.0 and row["v_sign"].value == 1.0
     assert row["sink"].value == pytest.approx(0.5, abs=1e-3)          # half of every row on key 0
     assert row["o_bias"].value < -3.29 < 3.29 < row["delta_bias"].value  # O leans negative, delta positive
-    text = format_census(c)
-    assert "this run vs the study's GPT-2" in text and "legend:" in text and "-4.71875" in text
+    text = format_census(c)   # every precondition's row, next to the study's value, then the legend
+    assert all(p.name in text and p.study in text for p in PRECONDITIONS)
+    assert "legend:" in text and "-4.71875" in text
 
 
 def test_no_ties_reads_absent_on_the_tie_rows():
@@ -140,24 +144,29 @@ def test_diagnose_census_prints_the_table_and_writes_it_to_json(micro_run, tmp_p
     out = tmp_path / "d.json"
     assert _diagnose(micro_run, "--census", "--heads", "--out", str(out)) == 0
     text = capsys.readouterr().out
-    assert "preconditions census: this run vs the study's GPT-2 (judged at step 6; 3 probes, steps 0-6" in text
-    for name in ("1. tied row maxima", "1b. ties at the sink", "2. rows with >= 2 Pbar == 1", "3. sink mass",
-                 "4. V one-signed at the tied keys", "5a. O bias (row z)", "5b. delta bias (row z)", "L1H1"):
-        assert name in text, name
     res = json.loads(out.read_text())["census"]
-    assert res["steps"] == [0, 3, 6] and res["layers"] == [0, 1] and len(res["rows"]) == 7
+    assert res["step"] == 6 and res["steps"] == [0, 3, 6] and res["layers"] == [0, 1] and len(res["rows"]) == 7
+    assert [r["key"] for r in res["rows"]] == [p.key for p in PRECONDITIONS]
     assert all(r["verdict"] in (PRESENT, WEAK, ABSENT) for r in res["rows"]), res["rows"]
-    assert res["summary"].startswith("preconditions census at step 6: ") and res["legend"]
+    assert format_census(Census.from_dict(res), heads=True) in text   # the table printed is the one written
+    assert all(p.name in text for p in PRECONDITIONS) and "L1H1" in text   # with --heads, the per-head table
+    counts = re.findall(r"(\d+) (present|weak|absent)", res["summary"])   # the summary line counts the rows
+    assert sum(int(n) for n, _ in counts) == 7 and "step 6" in res["summary"] and res["legend"]
     # the trainer's probes wrote the census keys: the census over training is read from metrics.jsonl
     assert keys.V_SIGN_AGREE.key(1, 0) in json.loads((micro_run / "metrics.jsonl").read_text().splitlines()[0])
     # without --census: one summary line
     assert _diagnose(micro_run, "--out", str(tmp_path / "e.json")) == 0
-    assert "(--census prints the table)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert res["summary"] in out and "--census" in out and PRECONDITIONS[0].name not in out
 
 
 def test_report_has_the_census_section_of_the_run(micro_run, tmp_path):
     from flashguard.experiments.report import write_report
     md = write_report([micro_run], tmp_path / "rep")["md"].read_text()
-    section = md.split("## Preconditions census", 1)[1].split("\n## ", 1)[0]
-    assert "its probes in metrics.jsonl" in section and "| 4. V one-signed at the tied keys |" in section
-    assert "| precondition | the study's GPT-2 | this run | where | over training | verdict |" in section
+    body = section(md, "Preconditions census")
+    assert "metrics.jsonl" in body   # where the census was read from
+    (table,) = [t for t in tables(body) if t[0][0] == "precondition"]
+    assert table[0] == ["precondition", "the study's GPT-2", "this run", "where", "over training", "verdict"]
+    rows = table_dicts(table)
+    assert [r["precondition"] for r in rows] == [p.name for p in PRECONDITIONS]
+    assert all(r["verdict"].strip("*") in (PRESENT, WEAK, ABSENT) for r in rows), rows   # bold or plain

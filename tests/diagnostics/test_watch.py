@@ -169,7 +169,7 @@ def test_named_modules_are_the_same_layers_as_the_call_order():
     assert renamed == {k: v for k, v in by_order.items() if k != keys.DIAGNOSTICS_TIME}
     by_dict = one_step({3: "transformer.h.0.attn"})
     assert keys.TIE_RATE.key(3) in by_dict and not any("/L0" in k for k in by_dict)
-    with pytest.raises(ValueError, match="no module named 'transformer.h.9.attn'"):
+    with pytest.raises(ValueError, match="'transformer.h.9.attn'"):
         watch(micro_gpt(), layers=["transformer.h.9.attn"])
     with pytest.raises(ValueError, match="not a mix"):
         watch(micro_gpt(), layers=[0, "transformer.h.0.attn"])

@@ -5,6 +5,7 @@ report, labelled as what they are."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import types
@@ -15,11 +16,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flashguard import keys
+from flashguard.check.dispatch import kernel_label
+from flashguard.diagnostics.census_table import PRECONDITIONS
 from flashguard.diagnostics.probes import spectral_norms
+from flashguard.diagnostics.run_state import WATCH_LABEL
 from flashguard.diagnostics.watch import Watch, kernel_precision, summary_line, watch
 from flashguard.utils.jsonl import read_metrics
 
+from md_helpers import headings, numbers
 from test_watch import Toy, micro_gpt, toy_record
+
+TORCH_FLASH_CPU = kernel_label(torch._C._nn.scaled_dot_product_attention, "flash", "cpu")   # torch's own kernel
 
 
 def quiet(_):
@@ -61,7 +68,8 @@ def test_a_gradient_spike_between_probes_warns_and_a_healthy_run_does_not():
         return w, said
 
     w, said = run(spike=True)
-    assert w.status.name == "warning" and any(m.startswith("step 20: monitor WARNING") for m in said)
+    warned = [int(numbers(m)[0]) for m in said if m.startswith("step ") and "WARNING" in m]   # the steps it warned at
+    assert w.status.name == "warning" and warned[:1] == [20]
     assert not w.records                         # no probe ran: the monitor saw the every-step records
     w, said = run(spike=False)
     assert w.status.name == "ok" and not said
@@ -89,7 +97,11 @@ def test_summary_line_reads_the_largest_values():
            keys.TIE_RATE.key(0): 0.02, keys.TIE_RATE.key(1): 0.001, keys.DELTA_ERR_Z.key(0): 1.0,
            keys.DELTA_ERR_Z.key(1): -4.0}
     line = summary_line(rec)
-    assert line == "step 7: loss 3.25 | max|logit| 9.5 (L1) | ties 2% (L0) | delta lean z -4.0 (L1, a lean)"
+    fields = line.split(" | ")   # step and loss, then each signal's largest value and its layer
+    assert len(fields) == 4 and numbers(fields[0]) == [7, 3.25]
+    assert [re.search(r"(-?[\d.]+%?) \((L\d)", f).groups() for f in fields[1:]] == \
+        [("9.5", "L1"), ("2%", "L0"), ("-4.0", "L1")]
+    assert [f.split()[0] for f in fields[1:]] == ["max|logit|", "ties", "delta"] and "a lean" in fields[3]
 
 
 # ---- the arithmetic measured: the kernel torch ran --------------------------------------------
@@ -106,9 +118,9 @@ def test_the_default_arithmetic_on_cpu_bf16_is_torch_cpu(tmp_path):
     model().backward()
     default = w.step()
     w.close()
-    assert w.measured[0]["precision"] == "torch-cpu" and w.measured[0]["kernel"] == "torch sdpa: flash (cpu)"
+    assert w.measured[0]["precision"] == "torch-cpu" and w.measured[0]["kernel"] == TORCH_FLASH_CPU
     meta = json.loads((tmp_path / "w" / "watch.json").read_text())
-    assert meta["precision"] == "the kernel torch ran" and meta["measured"]["L0"]["precision"] == "torch-cpu"
+    assert "kernel" in meta["precision"] and meta["measured"]["L0"]["precision"] == "torch-cpu"   # not one preset
     assert "bit-exact" in meta["measured"]["L0"]["about"]
     strip = lambda r: {a: b for a, b in r.items() if a not in (keys.DIAGNOSTICS_TIME,)}  # noqa: E731
     as_torch_cpu, _ = toy_record(q, k, v, do, precision="torch-cpu", is_causal=True)
@@ -128,7 +140,8 @@ def test_another_backend_or_dtype_is_measured_in_a_labelled_model():
         model().backward()
     w.step()
     w.close()
-    assert w.measured[0]["precision"] == "fa2" and w.measured[0]["kernel"] == "torch sdpa: math (cpu)"
+    assert w.measured[0]["precision"] == "fa2"
+    assert w.measured[0]["kernel"] == kernel_label(torch._C._nn.scaled_dot_product_attention, "math", "cpu")
     assert "as a model" in w.measured[0]["about"]
     # the GPU kernels: their presets (docs/kernels.md), else fa2 as a model
     assert kernel_precision("flash", "cuda", torch.bfloat16)[0] == "torch-flash-cuda"
@@ -177,7 +190,7 @@ def test_hugging_face_projections_are_found_gpt2_packed_and_llama_grouped():
         hf_steps(gpt2, w)
     # the weights at the end of the probe step (after its update), as the trainer's probes read them
     wq = gpt2.transformer.h[1].attn.c_attn.weight.detach().t()[:32].reshape(2, 16, 32)
-    assert w.projections["L1"].endswith("c_attn (packed q, k, v)")
+    assert "c_attn" in w.projections["L1"] and "packed" in w.projections["L1"]   # one packed q, k, v projection
     assert w.records[0][keys.WQ_NORM.key(1, 1)] == pytest.approx(float(spectral_norms(wq)[1]), rel=1e-9)
 
     llama = tiny_llama()
@@ -224,7 +237,7 @@ def test_projections_by_the_names_the_user_passes():
         w.step()
     wq = model.wq.weight.detach().reshape(2, 8, 16)
     assert w.records[0][keys.WQ_NORM.key(0, 1)] == pytest.approx(float(spectral_norms(wq)[1]), rel=1e-9)
-    with pytest.raises(ValueError, match="no module named 'nope'|'nope' is not a module"):
+    with pytest.raises(ValueError, match="'nope'"):
         watch(model, projections=[("nope", "wk")], n_head=2)
     with pytest.raises(ValueError, match="n_head"):
         watch(model, projections=[("wq", "wk")])
@@ -234,7 +247,7 @@ def test_projections_by_the_names_the_user_passes():
 
 def test_wandb_missing_names_the_extra_and_is_never_imported_unless_asked(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)      # as if not installed
-    with pytest.raises(ImportError, match=r"pip install flashguard\[wandb\]"):
+    with pytest.raises(ImportError, match=r"flashguard\[wandb\]"):   # names the extra
         watch(micro_gpt(), wandb=True)
     code = ("import sys, torch, flashguard\n"
             "w = flashguard.watch(torch.nn.Linear(2, 2), every=1, log_fn=lambda m: None)\n"
@@ -285,21 +298,24 @@ def _diagnose(capsys, *argv):
 
 def test_diagnose_reads_a_watch_folder_as_a_watch_folder(watch_folder, capsys):
     rc, out, _ = _diagnose(capsys, watch_folder)
-    assert rc == 0 and "a watch folder of your model (flashguard.watch), not a flashguard training run" in out
-    assert "no checkpoint" not in out and "recorded at step 4" in out
-    assert "L0" in out and "L1" in out and "torch sdpa: flash (cpu)" in out
     res = json.loads((watch_folder / "diagnostics" / "diagnose_0000004.json").read_text())
-    assert res["kind"] == "watch" and res["checkpoint"] is None and res["layers"] == [0, 1]
+    assert res["kind"] == "watch" and res["checkpoint"] is None and res["layers"] == [0, 1] and res["step"] == 4
+    assert rc == 0 and WATCH_LABEL in out and "no checkpoint" not in out and "step 4" in out
+    assert "L0" in out and "L1" in out and TORCH_FLASH_CPU in out
     rc, out, _ = _diagnose(capsys, watch_folder, "--step", "2", "--census")
-    assert rc == 0 and "recorded at step 2" in out and "preconditions census" in out and "1. tied row maxima" in out
+    res = json.loads((watch_folder / "diagnostics" / "diagnose_0000002.json").read_text())
+    assert rc == 0 and res["step"] == 2 and res["census"]["step"] == 2 and "step 2" in out
+    assert all(p.name in out for p in PRECONDITIONS)   # --census: the table
     rc, _, err = _diagnose(capsys, watch_folder, "--step", "3")
     assert rc == 2 and "no probe at step 3" in err and "watch folder" in err
 
 
-def test_monitor_replays_a_watch_folder_with_its_probes(watch_folder, capsys):
-    rc, out, _ = _diagnose(capsys, watch_folder, "--monitor")
-    assert rc == 0 and "a watch folder of your model" in out
-    assert "no probe metrics" not in out and "no divergence in 4 steps" in out
+def test_monitor_replays_a_watch_folder_with_its_probes(watch_folder, capsys, tmp_path):
+    rc, out, _ = _diagnose(capsys, watch_folder, "--monitor", "--out", tmp_path / "monitor.json")
+    assert rc == 0 and WATCH_LABEL in out
+    ev = json.loads((tmp_path / "monitor.json").read_text())
+    assert ev["has_probes"] is True and ev["diverged"] is False and ev["last_step"] == 4
+    assert "no probe metrics" not in out
 
 
 def test_a_watch_folder_without_a_probe_yet_says_so(tmp_path, capsys):
@@ -316,10 +332,9 @@ def test_report_labels_a_watch_folder(watch_folder, tmp_path):
     assert folder_kind(watch_folder) == "watch"
     paths = write_report([watch_folder], tmp_path / "report")
     md = paths["md"].read_text()
-    assert "watched by `flashguard.watch`" in md and "not a flashguard training run" in md
+    assert "`flashguard.watch`" in md and "GPT2LMHeadModel" in md   # what made the folder, and the model
     assert "`flashguard train`" not in md and "training run of" not in md
-    assert "your model (GPT2LMHeadModel), watched by flashguard.watch" in md
-    assert "## Preconditions census" in md and (tmp_path / "report" / "figures" / "loss.png").is_file()
+    assert "Preconditions census" in headings(md) and (tmp_path / "report" / "figures" / "loss.png").is_file()
 
 
 def test_the_monitor_knows_which_signals_a_model_gives():
@@ -344,4 +359,4 @@ def test_a_capture_left_installed_does_not_hide_the_kernel_torch_runs():
         model().backward()
         w.step()
         w.close()
-    assert w.measured[0]["precision"] == "torch-cpu" and w.measured[0]["kernel"] == "torch sdpa: flash (cpu)"
+    assert w.measured[0]["precision"] == "torch-cpu" and w.measured[0]["kernel"] == TORCH_FLASH_CPU
