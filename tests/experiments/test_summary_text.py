@@ -1,13 +1,16 @@
 """The plain-language summary: its advice follows the lab's measured answers, in each direction."""
 from __future__ import annotations
 
+import html
 import json
+import re
 
 import pytest
 
 import flashguard.experiments.report.summary_text as st
-from flashguard.experiments.report.summary_text import (advice_from_lab, build_summary, fix_arguments,
-                                                        render_text, summary_from_repro)
+from flashguard.experiments.report.summary_text import (advice_from_lab, build_summary, fix_arguments, recipe_hf,
+                                                        recipe_pytorch, render_text, summary_from_repro)
+from md_helpers import headings, numbers, section
 
 
 def _answer(biased: list[str], removed_by: list[str], failures: dict | None = None) -> dict:
@@ -26,10 +29,35 @@ def _lab(answers: dict) -> dict:
             "verdicts": {"i_tie_bias": "held", "iv_worked_example": "held"}, "details": {}, "answers": answers}
 
 
+def _blocks(lab, **kw) -> list[tuple]:
+    return build_summary(st._Inputs("`flashguard demo`", lab=lab, **kw))
+
+
+def _flat(text: str) -> str:
+    """Console text with its line wrapping undone."""
+    return " ".join(text.split())
+
+
 def _text(lab, **kw) -> str:
     """The console text with its line wrapping undone."""
-    inp = st._Inputs("`flashguard demo`", lab=lab, **kw)
-    return " ".join(render_text(build_summary(inp)).split())
+    return _flat(render_text(_blocks(lab, **kw)))
+
+
+def _code(blocks) -> list[str]:
+    return [body for kind, body in blocks if kind == "code"]
+
+
+def _items(blocks) -> list[str]:
+    return [item for kind, body in blocks if kind == "list" for item in body]
+
+
+def _paragraphs(blocks) -> list[str]:
+    return [body for kind, body in blocks if kind == "p"]
+
+
+def _claim_item(c: dict) -> str:
+    """A claim as a summary lists it, from the claim's own fields."""
+    return f"{c['id']} {c['title']}: {c['verdict']}" + (f" ({c['evidence']})" if "evidence" in c else "")
 
 
 def test_fix_arguments_round_trip_the_labs_labels():
@@ -38,7 +66,7 @@ def test_fix_arguments_round_trip_the_labs_labels():
     assert fix_arguments("fa2 / safe") == ("fa2", "safe")
     assert fix_arguments("fa2[row_sum_rounded=True] / none") == ("fa2[row_sum_rounded=True]", "none")
     for bad in ("paper-fp32fwd", "papr / none", "paper / saf"):
-        with pytest.raises(ValueError, match="lab arithmetic label"):
+        with pytest.raises(ValueError, match=re.escape(repr(bad))):   # names the label it cannot read
             fix_arguments(bad)
 
 
@@ -47,22 +75,25 @@ def test_a_biased_arithmetic_gets_a_recipe_naming_the_measured_fix():
                                  {"paper / safe": ["k=2: leans"]})})
     (a,) = advice_from_lab(lab)
     assert a.biased and a.fix == ("paper", "paper:beta=7,tol=0.001") and a.failed == ("safe",)
+    blocks = _blocks(lab)
+    assert a.text() in _items(blocks)                         # the advice, a list item
+    assert all(f'"{arg}"' in a.text() for arg in a.fix)       # naming the measured fix's arguments
+    assert a.measured in a.text()                             # and quoting the lab's own verdict
+    assert _code(blocks) == [recipe_pytorch(*a.fix), recipe_hf(*a.fix)]   # plain PyTorch and Hugging Face
     text = _text(lab)
-    assert 'use precision="paper", stabilizer="paper:beta=7,tol=0.001"' in text
-    assert 'flashguard.override_sdpa(precision="paper", stabilizer="paper:beta=7,tol=0.001")' in text
-    assert 'attn_implementation="sdpa"' in text            # the Hugging Face recipe
     from flashguard.integrations.hf import DEFAULT_NAME      # and its registry name, one transformers 5 accepts
     assert f'attn_implementation="{DEFAULT_NAME}"' in text and "flash" not in DEFAULT_NAME
     assert text.count("override_sdpa(") == 2                # plain PyTorch and Hugging Face
-    assert "removed by: paper / paper(beta=7,tol=0.001)" in text   # the lab's own verdict, quoted
     # a remover the recipe cannot name (a kernel label) is skipped for the next one, never replaced by a guess
     lab = _lab({"paper": _answer(["k=2"], ["paper / none 64x64 [triton]", "paper-fp32fwd / none"])})
     assert advice_from_lab(lab)[0].fix == ("paper-fp32fwd", "none")
     lab = _lab({"paper": _answer(["k=2"], ["paper / none 64x64 [triton]"])})
-    assert advice_from_lab(lab)[0].fix is None and "see lab.md for the measured fix" in _text(lab)
+    (a,) = advice_from_lab(lab)
+    assert a.fix is None and a.removed_by and not _code(_blocks(lab)) and "lab.md" in a.text()   # no recipe
     # another fix measured: the recipe follows the measurement, nothing is hand-written
-    text = _text(_lab({"paper": _answer(["k=2"], ["paper-fp32fwd / none"])}))
-    assert 'override_sdpa(precision="paper-fp32fwd", stabilizer="none")' in text and "beta=7" not in text
+    lab = _lab({"paper": _answer(["k=2"], ["paper-fp32fwd / none"])})
+    assert _code(_blocks(lab)) == [recipe_pytorch("paper-fp32fwd", "none"), recipe_hf("paper-fp32fwd", "none")]
+    assert "beta=7" not in _text(lab)
 
 
 def test_an_unbiased_arithmetic_needs_no_fix_and_gets_no_recipe():
@@ -72,15 +103,18 @@ def test_an_unbiased_arithmetic_needs_no_fix_and_gets_no_recipe():
     text = _text(lab)
     assert "`fa2`" in text and "no fix needed" in text and "override_sdpa" not in text
     assert "row_sum_rounded" not in text     # a harmless candidate is not advice
-    assert "no fix is needed, so there is no recipe" in text
+    assert not _code(_blocks(lab))            # and no recipe
 
 
 def test_a_bias_nothing_removes_points_to_the_unbiased_arithmetics():
     lab = _lab({"fa2": _answer([], []), "fa2-e4m3": _answer(["k=2", "k=3"], [])})
-    text = _text(lab)
-    assert "`fa2-e4m3` (the production arithmetic with fp8 (e4m3) inputs, emulated): no measured fix" in text
-    assert "For `fa2-e4m3` the lab found no fix; the arithmetics it found unbiased under ties are `fa2`" in text
-    assert "override_sdpa" not in text and "no recipe to copy" in text
+    blocks = _blocks(lab)
+    e4m3 = {a.arithmetic: a for a in advice_from_lab(lab)}["fa2-e4m3"]
+    assert e4m3.biased and e4m3.fix is None and not e4m3.removed_by and e4m3.text() in _items(blocks)
+    assert e4m3.text().startswith(f"`fa2-e4m3` ({st.ABOUT['fa2-e4m3']})") and "no measured fix" in e4m3.text()
+    (pointer,) = [p for p in _paragraphs(blocks) if "`fa2-e4m3`" in p]   # points to the unbiased arithmetic
+    assert "`fa2`" in pointer
+    assert not _code(blocks) and "override_sdpa" not in _text(lab)
 
 
 def test_the_hf_registry_is_mentioned_only_when_installed(monkeypatch):
@@ -89,23 +123,28 @@ def test_the_hf_registry_is_mentioned_only_when_installed(monkeypatch):
     assert "integrations.hf" not in _text(lab)
     monkeypatch.setattr(st, "_hf_registry", lambda: True)
     text = _text(lab)
-    assert 'flashguard.integrations.hf.register(precision="paper-fp32fwd", stabilizer="none")' in text
+    assert "flashguard.integrations.hf.register(" in text and 'register(precision="paper-fp32fwd"' in text
 
 
 def test_what_ran_what_held_and_why_no_explosion():
     runs = [st._Run("fp32", "fp32 attention", {"diverged_at": None}),
             st._Run("paper", "flash, paper, no fix", {"diverged_at": None})]
     claims = [{"id": "C1", "title": "training diverges", "verdict": "not held"}]
-    text = _text(_lab({}), runs=runs, claims=claims, steps=200, model="the tiny-cpu model", tokens_per_step=2048)
-    assert "2 training runs of the tiny-cpu model for 200 steps, same seed and batches" in text
-    assert "C1 training diverges: not held" in text and "(i) tied maxima" in text
-    assert "No run diverged, and none was expected to: 200 steps of the tiny-cpu model, 409,600 tokens" in text
-    assert "thousands of steps of GPT-2" in text
-    assert 'a claim that needs a diverging run (C1) reads "not held" or "inconclusive" here; the lab looks' in text
-    assert "no per-arithmetic answers" in text    # a lab result without answers says so, advises nothing
+    blocks = _blocks(_lab({}), runs=runs, claims=claims, steps=200, model="the tiny-cpu model", tokens_per_step=2048)
+    what_ran, *rest = _paragraphs(blocks)
+    assert what_ran.startswith("What ran:") and "the tiny-cpu model" in what_ran and "same seed" in what_ran
+    assert numbers(what_ran) == [1024, 2, 200]              # lab rows; runs, steps
+    assert _claim_item(claims[0]) in _items(blocks) and "(i) tied maxima" in _text(_lab({}), claims=claims)
+    (why,) = [p for p in rest if st.STUDY_SCALE in p]       # why no explosion: this length against the study's
+    assert numbers(why)[:2] == [200, 409600] and "tiny-cpu model" in why
+    assert "(C1)" in why                                     # the claim that needs a diverging run, named
+    # a lab result without answers advises nothing and says where the answers come from
+    assert advice_from_lab(_lab({})) == [] and not _code(blocks) and "`flashguard lab`" in " ".join(rest)
     runs[1] = st._Run("paper", "flash, paper, no fix", {"diverged_at": 150})
-    text = _text(None, runs=runs, claims=claims, steps=200)
-    assert "Diverged: paper at step 150." in text and "none was expected" not in text
+    paragraphs = _paragraphs(_blocks(None, runs=runs, claims=claims, steps=200))
+    (diverged,) = [p for p in paragraphs if p.startswith("Diverged")]
+    assert "paper" in diverged and numbers(diverged) == [150]
+    assert not any(st.STUDY_SCALE in p for p in paragraphs)
 
 
 def test_summary_from_a_stored_repro_and_lab(tmp_path):
@@ -119,11 +158,14 @@ def test_summary_from_a_stored_repro_and_lab(tmp_path):
              "runs": [{"name": "paper", "dir": "runs/paper", "title": "flash, paper, no fix",
                        "summary": {"diverged_at": None, "status": "done"}}]}
     lab = json.loads(json.dumps(_lab({"paper": _answer(["k=2"], ["paper-fp32fwd / none"])})))
-    text = " ".join(render_text(summary_from_repro(repro, lab, tmp_path)).split())
-    assert text.startswith("Summary ------- What ran: `flashguard demo` ran the rounding-bias lab (quick, 1,024")
-    assert "the tiny-cpu model (4 layers, width 256, 3.3 M weights) for 200 steps" in text
-    assert "409,600 tokens in all" in text and "C6 delta biased: held" in text
-    assert 'override_sdpa(precision="paper-fp32fwd", stabilizer="none")' in text
+    blocks = summary_from_repro(repro, lab, tmp_path)
+    assert blocks[0] == ("h2", "Summary") and blocks[1][0] == "p"
+    what_ran = blocks[1][1]   # the lab (quick, its rows), then the run of the config's model
+    assert what_ran.startswith("What ran:") and "`flashguard demo`" in what_ran and "quick" in what_ran
+    assert "tiny-cpu" in what_ran and numbers(what_ran) == [1024, 1, 4, 256, 3.3, 200]   # layers, width, M weights
+    assert any(409600 in numbers(p) for p in _paragraphs(blocks))   # 200 steps x 8 x 256 tokens
+    assert _claim_item(repro["claims"][0]) in _items(blocks)   # C6, its title, held
+    assert recipe_pytorch("paper-fp32fwd", "none") in _code(blocks)
 
 
 def test_the_recipes_run(monkeypatch):
@@ -166,12 +208,13 @@ def test_report_md_and_html_begin_with_the_summary(tmp_path):
     _repro_folder(tmp_path / "demo", _lab({"paper": _answer(["k=2"], ["paper-fp32fwd / none"])}))
     paths = write_report([tmp_path / "demo"], tmp_path / "demo" / "report")
     md = paths["md"].read_text()
-    assert md.startswith("# flashguard report: demo\n\n## Summary\n\nWhat ran: `flashguard demo` ran")
+    assert md.startswith("# ") and headings(md)[0] == "Summary" and section(md, "Summary").lstrip().startswith("What ran:")
     assert md.index("## Summary") < md.index("Produced by") < md.index("## Claims")
-    assert '```python\nimport flashguard\nwith flashguard.override_sdpa(precision="paper-fp32fwd", ' in md
-    html = paths["html"].read_text()
-    assert html.index("<h2>Summary</h2>") < html.index("<h2>Claims</h2>")
-    assert '<pre><code>import flashguard\nwith flashguard.override_sdpa(precision=&quot;paper-fp32fwd&quot;' in html
+    recipe = recipe_pytorch("paper-fp32fwd", "none")
+    assert f"```python\n{recipe}\n```" in md
+    page = paths["html"].read_text()
+    assert page.index("<h2>Summary</h2>") < page.index("<h2>Claims</h2>")
+    assert f"<pre><code>{html.escape(recipe)}</code></pre>" in page
 
 
 def test_demo_console_starts_with_what_runs_and_ends_with_the_summary(tmp_path, monkeypatch):
@@ -196,20 +239,19 @@ def test_demo_console_starts_with_what_runs_and_ends_with_the_summary(tmp_path, 
     monkeypatch.setattr(edge_pkg, "run_edge", lambda *a, **kw: edge)
     lines = []
     res = run_demo(out, data_dir=tmp_path / "data", steps=20, progress=False, log=lines.append)
-    text = " ".join("\n".join(lines).split())
-    assert text.startswith("flashguard demo: the rounding-bias lab, then matched training runs of the tiny-cpu "
-                           "model (20 steps each), then a report. No explosion is expected at this length")
+    text = _flat("\n".join(lines))
+    assert text.startswith(_flat(st.intro_text(20)))        # what runs, for how many steps
     start = text.index("Summary -------")
-    assert text.index("[4/6] causal comparison") < text.index("[5/6] edge attribution") < text.index("[6/6] report") \
-        < start < text.index("demo done in")
-    assert "paper 2/2 diverged (2 seeds decide nothing)" in text
-    summary = text[start:]
-    assert "`paper` (the study's reference code: every intermediate bf16): use precision=\"paper-fp32fwd\"" in summary
+    stage = [text.index(f"[{n}/6]") for n in range(1, 7)]    # the six stages in order, then the summary
+    assert stage == sorted(stage) and stage[-1] < start < text.index("demo done in")
+    assert "paper 2/2 diverged" in text                      # the edge sample's count
+    summary = text[start:]   # the demo's final lines: the advice, the recipe and the causal comparison, as measured
+    assert all(_flat(a.text()) in summary for a in advice_from_lab(lab))
     assert "`fa2` (" in summary and "no fix needed" in summary
-    assert 'override_sdpa(precision="paper-fp32fwd", stabilizer="none")' in summary
-    assert "`coherent-p1-a10` diverged at step 420" in summary and "I1 " in summary
+    assert _flat(recipe_pytorch("paper-fp32fwd", "none")) in summary
+    assert all(_flat(item) in summary for item in _items(st.injection_blocks(_injection("held"))))
     # the real report writer ran on the stored results
-    assert res["report"]["md"].read_text().startswith("# flashguard report: demo\n\n## Summary")
+    assert headings(res["report"]["md"].read_text())[0] == "Summary"
 
 
 def test_the_hugging_face_recipe_runs(tmp_path, monkeypatch):
@@ -251,12 +293,16 @@ def _injection(verdict):
                                            ("inconclusive", "decided nothing yet")])
 def test_injection_blocks_say_what_the_verdict_supports(verdict, says):
     from flashguard.experiments.report.summary_text import injection_blocks, render_text
-    text = " ".join(render_text(injection_blocks(_injection(verdict))).split())
-    assert "`coherent-p1-a10` diverged at step 420, W_Q spectral norm 0.3 -> peak 40; the monitor warned at step " \
-           "300, 120 steps ahead" in text
-    assert "`zero-mean-a100` trained on (final loss 2.1" in text
-    assert f"I1 A coherent delta error explodes where a zero-mean one does not: {verdict} (measured)" in text
-    assert says in text and "9.3x below the boundary" in text
+    result = _injection(verdict)
+    blocks = injection_blocks(result)
+    arms = {re.match(r"`([\w-]+)`", item)[1]: item for item in blocks[1][1]}   # the arms' list
+    assert list(arms) == [r["name"] for r in result["runs"]]
+    # diverged at 420, W_Q from 0.3 to a peak of 40, the monitor's warning at 300: 120 steps ahead
+    assert "diverged" in arms["coherent-p1-a10"] and numbers(arms["coherent-p1-a10"]) == [420, 0.3, 40, 300, 120]
+    assert "trained on" in arms["zero-mean-a100"] and numbers(arms["zero-mean-a100"])[0] == 2.1   # its final loss
+    assert [_claim_item(c) for c in result["claims"]] == _items(blocks)[len(arms):]
+    text = _flat(render_text(blocks))
+    assert says in text and result["margin"]["text"] in text
 
 
 def _natural(n1, n3, n4, n5):
@@ -277,10 +323,13 @@ def _natural(n1, n3, n4, n5):
 ])
 def test_natural_blocks_say_what_the_verdicts_support(verdicts, says, not_says):
     from flashguard.experiments.report.summary_text import natural_blocks, render_text
-    text = " ".join(render_text(natural_blocks(_natural(*verdicts))).split())
-    assert ("measured apart (`flashguard repro --experiment natural`, preset nat512: 1000 steps an arm, arms `fp32`, "
-            "`paper`, `paper-fix`, `paper-fp32fwd`, the same seed") in text
-    assert f"N1 claim N1: {verdicts[0]} (evidence N1)" in text
+    result = _natural(*verdicts)
+    blocks = natural_blocks(result)
+    where = blocks[0][1]   # where it was measured: the command, the preset, the steps and the arms
+    assert "--experiment natural" in where and "nat512" in where and numbers(where) == [1000]
+    assert re.findall(r"`([\w-]+)`", where) == [a["name"] for a in result["arms"]]
+    assert _items(blocks) == [_claim_item(c) for c in result["claims"]]
+    text = _flat(render_text(blocks))
     for s in says:
         assert s in text
     for s in not_says:
