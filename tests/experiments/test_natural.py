@@ -15,9 +15,11 @@ from flashguard import keys
 from flashguard.cli import main
 from flashguard.experiments.natural import (NATURAL_PRESETS, get_natural_preset, judge_claims, parse_runs,
                                             run_natural)
-from flashguard.experiments.natural.analysis import HELD, INCONCLUSIVE, NOT_HELD, missing_outcome
+from flashguard.experiments.natural.analysis import HELD, INCONCLUSIVE, NOT_APPLICABLE, NOT_HELD, missing_outcome
+from flashguard.experiments.natural.presets import ARM_KEYS, KERNEL_ARMS, NaturalPreset
 from flashguard.experiments.natural.runner import common_overrides
 from flashguard.train import JsonlLog, load_config
+from flashguard.utils.jsonl import read_jsonl
 
 ARMS = ("fp32", "paper", "paper-fix", "paper-fp32fwd")
 
@@ -211,16 +213,98 @@ def test_presets_and_their_arm_configs():
     assert [a.name for a in nat.arms] == ["fp32", "paper", "paper-fix", "paper-fp32fwd"] and nat.steps == 1000
     want = {"fp32": ("fp32", "none"), "paper": ("paper", "none"), "paper-fix": ("paper", "paper"),
             "paper-fp32fwd": ("paper-fp32fwd", "none")}
-    for preset in NATURAL_PRESETS.values():
+    for preset in (nat, NATURAL_PRESETS["natural-smoke"]):   # the kernels' presets: test_the_kernels_presets
         common = common_overrides(preset, False)
         for a in preset.arms:
             cfg = load_config(preset.config_path(), [*common, *a.overrides, f"train.steps={preset.steps}"])
             assert (cfg.attention.spec.precision, cfg.attention.spec.stabilizer) == want[a.name]
             assert cfg.train.divergence_factor == 2 and cfg.train.diagnostics_every == preset.diagnostics_every
-            assert cfg.attention.spec.backend == "flash"   # the probes write numerics/delta_err_z only on flash layers
+            assert cfg.attention.spec.backend == "flash"
     cfg = load_config(nat.config_path(), [*common_overrides(nat, False), "train.steps=1000"])
     assert (cfg.model.preset, cfg.train.seed, cfg.data.doc_starts, cfg.train.diagnostics_every) == \
         ("tiny-cpu-512", 1337, True, 50)
+
+
+# ---------------------------------------------------------------- the kernels' presets
+
+KERNELS = ("fp32", "sdpa", "torch-cpu", "fa2")
+KERNEL_ROLES = {"reference": "fp32", "harmed": "sdpa", "lab_fix": None, "study_fix": None}
+
+
+def test_the_kernels_presets():
+    assert "attention.backend" in ARM_KEYS
+    for name in ("nat512-kernels", "natural-kernels-smoke"):
+        p = get_natural_preset(name)
+        assert [a.name for a in p.arms] == list(KERNELS)
+        assert {r: getattr(p, r) for r in KERNEL_ROLES} == KERNEL_ROLES
+        common = common_overrides(p, False)
+        for a in p.arms:
+            spec = load_config(p.config_path(), [*common, *a.overrides, f"train.steps={p.steps}"]).attention.spec
+            got = spec.backend if spec.backend != "flash" else spec.precision
+            assert got == {"fp32": "fp32", "sdpa": "sdpa", "torch-cpu": "torch-cpu", "fa2": "fa2"}[a.name]
+    nat = get_natural_preset("nat512-kernels")
+    cfg = load_config(nat.config_path(), [*common_overrides(nat, False), "train.steps=1000"])
+    assert (cfg.model.preset, cfg.train.seed, cfg.data.doc_starts, cfg.train.diagnostics_every, nat.steps) == \
+        ("tiny-cpu-512", 1337, True, 50, 1000)
+    assert cfg.attention.spec.block_k == 512   # torch's CPU kernel's key tile, which torch-cpu models
+    assert "--preset nat512-kernels" in nat.about
+    # a fix role may be None (no such arm); the others must name an arm
+    with pytest.raises(ValueError, match="lab_fix 'nope' is not one of its arms"):
+        NaturalPreset("x", "micro", 1, 1, arms=KERNEL_ARMS, harmed="sdpa", lab_fix="nope", study_fix=None)
+    with pytest.raises(ValueError, match="harmed 'paper' is not one of its arms"):
+        NaturalPreset("x", "micro", 1, 1, arms=KERNEL_ARMS, lab_fix=None, study_fix=None)
+
+
+def _kernels_say(**changes):
+    """sdpa leans + at L0, fp32 does not; the models of the kernel as given."""
+    out = {"fp32": _arm("fp32", "no lean", "no lean"), "sdpa": _arm("sdpa", "leans +", "no lean"),
+           "torch-cpu": _arm("torch-cpu", "leans +", "no lean"), "fa2": _arm("fa2", "no lean", "no lean")}
+    out.update(changes)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def test_kernels_claims_judge_sdpa_both_ways_and_the_fix_claims_do_not_apply():
+    roles = dict(KERNEL_ROLES)
+    claims = judge_claims(_kernels_say(), **roles)
+    assert {c["id"]: c["verdict"] for c in claims} == {"N1": HELD, "N2": HELD, "N3": NOT_APPLICABLE,
+                                                       "N4": NOT_APPLICABLE, "N5": NOT_HELD}
+    assert claims[0]["numbers"]["arm"] == "sdpa" and "sdpa leans + at L0" in claims[0]["evidence"]
+    assert "sdpa" in claims[0]["title"] and "paper" not in claims[0]["title"] + claims[0]["rule"]
+    assert all(c["rule"].startswith("not applicable") for c in claims[2:4])
+    for sdpa in (_arm("sdpa", "no lean", "weak +"), _arm("sdpa", "leans -", "no lean")):
+        v = {c["id"]: c["verdict"] for c in judge_claims(_kernels_say(sdpa=sdpa), **roles)}
+        assert (v["N1"], v["N3"], v["N4"]) == (NOT_HELD, NOT_APPLICABLE, NOT_APPLICABLE)
+    v = {c["id"]: c["verdict"] for c in judge_claims(_kernels_say(sdpa=None), **roles)}
+    assert (v["N1"], v["N3"], v["N5"]) == (INCONCLUSIVE, NOT_APPLICABLE, INCONCLUSIVE)
+
+
+def test_kernels_smoke_run_probes_torchs_kernel_and_judges_it(tiny_data, tmp_path, capsys):
+    out = tmp_path / "k"
+    data = [f'data.dir="{tiny_data}"']
+    assert main(["repro", "--experiment", "natural", "--preset", "natural-kernels-smoke", "--out", str(out),
+                 *data]) == 0
+    assert "N3  not applicable" in capsys.readouterr().out
+    saved = json.loads((out / "natural.json").read_text())
+    assert saved["roles"] == KERNEL_ROLES and [a["name"] for a in saved["arms"]] == list(KERNELS)
+    for o in saved["outcomes"]:   # every arm probed, sdpa included: delta and O across probes on both layers
+        assert o["status"] in ("done", "diverged")
+        assert [r["layer"] for r in o["delta"]] == [0, 1] and [r["layer"] for r in o["O"]] == [0, 1]
+        assert o["delta"][0]["probes"] == 6 and o["delta"][0]["mean_ratio"] is not None
+    sdpa = next(o for o in saved["outcomes"] if o["arm"] == "sdpa")
+    assert sdpa["config"]["backend"] == "sdpa"
+    probes = [r for r in read_jsonl(out / "runs" / "sdpa" / "metrics.jsonl") if keys.DELTA_ERR_Z.key(0) in r]
+    assert len(probes) == 6 and not any(keys.TIE_RATE.key(0) in r for r in probes)   # the kernel's: no tiles
+    claims = {c["id"]: c for c in saved["claims"]}
+    assert claims["N1"]["numbers"]["arm"] == "sdpa" and claims["N1"]["verdict"] in (HELD, NOT_HELD)
+    assert (claims["N3"]["verdict"], claims["N4"]["verdict"]) == (NOT_APPLICABLE, NOT_APPLICABLE)
+    assert all(b["first_mismatch"] is None and b["compared"] == 12 for b in saved["matching"]["batches"].values())
+    assert "**not applicable**" in (out / "natural.md").read_text()
+    # a swapped folder is refused: a flash run is not the sdpa arm
+    preset = get_natural_preset("natural-kernels-smoke")
+    with pytest.raises(ValueError, match="sdpa=.* has attention.precision=fp32 .*, the arm is backend=sdpa"):
+        run_natural(preset, tmp_path / "c", runs={"sdpa": out / "runs" / "fp32"}, log=lambda m: None)
+    with pytest.raises(ValueError, match="fp32=.* has attention.backend=sdpa, the arm is precision=fp32"):
+        run_natural(preset, tmp_path / "c", runs={"fp32": out / "runs" / "sdpa"}, log=lambda m: None)
 
 
 # ---------------------------------------------------------------- a smoke run (mode a)
@@ -273,6 +357,7 @@ def test_smoke_run_trains_every_arm_resumable_then_analyses_them(tiny_data, tmp_
     (["--remedies"], "--remedies: not for --experiment natural"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["attention.precision=fp32"], "set by the natural experiment's arms"),
+    (["attention.backend=sdpa"], "set by the natural experiment's arms"),
     (["train.steps=5"], "set by the natural experiment's arms"),
     (["--runs", "paper"], "not ARM=DIR"),
     (["model.n_layer=2", "--runs", "paper=/x"], "--runs analyses finished folders and trains nothing"),

@@ -30,6 +30,7 @@ Claims (CLAIMS holds their titles; RULES their rules, as the Markdown states the
   N1 held (nothing to remove) and the fix arm has a delta probe series at every layer where
   ``paper`` leans +; then held if the fix leans (verdict starting "leans") at none of those
   layers, not held if it leans at one. A lean of the fix elsewhere is reported, not judged.
+  A preset without that fix arm (its role None, e.g. ``nat512-kernels``): "not applicable".
 * N5 held if ``paper`` diverged, ``fp32`` finished its steps without diverging, and N1 held (a
   lean to attribute the divergence to); not held if ``paper`` finished its steps without
   diverging; else inconclusive (``paper`` unfinished, ``fp32`` missing or unfinished, both
@@ -48,45 +49,68 @@ from ...train.config import load_config
 from ...utils.jsonl import read_jsonl
 from ..repro.summary import summarize_run
 
-__all__ = ["HELD", "NOT_HELD", "INCONCLUSIVE", "CLAIMS", "RULES", "arm_outcome", "missing_outcome", "run_config",
+__all__ = ["HELD", "NOT_HELD", "INCONCLUSIVE", "NOT_APPLICABLE", "CLAIMS", "RULES", "claim_texts", "arm_outcome", "missing_outcome", "run_config",
            "series_text", "judge_claims", "judge_lean_arises", "judge_control", "judge_fix", "judge_divergence",
            "matched_batches", "rules_text", "state_text"]
 
 HELD, NOT_HELD, INCONCLUSIVE = "held", "not held", "inconclusive"
+NOT_APPLICABLE = "not applicable"   # N3 / N4 of a preset without that fix arm
 LEANS_PLUS = "leans +"      # N1's verdict: the study's sign
 LEANS = "leans"             # N2-N4: a verdict starting with this (either sign)
 
-CLAIMS = {
-    "N1": "a delta lean of the study's sign (positive) arises in real training in the reference arithmetic (paper)",
-    "N2": "fp32 attention shows no such lean (the control)",
-    "N3": "the lab's fix (paper-fp32fwd) removes it in training",
-    "N4": "the study's fix (paper-fix) removes it in training",
+_TITLES = {
+    "N1": "a delta lean of the study's sign (positive) arises in real training in {harmed_what}",
+    "N2": "{reference} attention shows no such lean (the control)",
+    "N3": "the lab's fix{lab_fix_name} removes it in training",
+    "N4": "the study's fix{study_fix_name} removes it in training",
     "N5": "the lean makes the run diverge at this scale",
 }
-RULES = {
-    "N1": "held if some layer of paper has the across-probes delta verdict 'leans +'; not held if none has; "
-          "inconclusive if paper is not run or has no delta probe",
-    "N2": "held if no layer of fp32 has a delta verdict starting 'leans' (either sign; 'weak' is not a lean); not "
-          "held if one has; inconclusive if fp32 is not run or has no delta probe",
-    "N3": "inconclusive unless N1 held and paper-fp32fwd has delta probes at every layer where paper leans +; then "
-          "held if paper-fp32fwd leans (verdict starting 'leans') at none of those layers, not held if at one",
-    "N4": "as N3, with paper-fix",
-    "N5": "held if paper diverged, fp32 finished without diverging and N1 held; not held if paper finished without "
-          "diverging; else inconclusive",
+_RULES = {
+    "N1": "held if some layer of {harmed} has the across-probes delta verdict 'leans +'; not held if none has; "
+          "inconclusive if {harmed} is not run or has no delta probe",
+    "N2": "held if no layer of {reference} has a delta verdict starting 'leans' (either sign; 'weak' is not a lean); "
+          "not held if one has; inconclusive if {reference} is not run or has no delta probe",
+    "N3": "inconclusive unless N1 held and {lab_fix} has delta probes at every layer where {harmed} leans +; then "
+          "held if {lab_fix} leans (verdict starting 'leans') at none of those layers, not held if at one",
+    "N4": "as N3, with {study_fix}",
+    "N5": "held if {harmed} diverged, {reference} finished without diverging and N1 held; not held if {harmed} "
+          "finished without diverging; else inconclusive",
 }
+_NO_FIX = "not applicable: the preset has no arm of {what}"
+
+
+def claim_texts(*, reference: str = "fp32", harmed: str = "paper", lab_fix: str | None = "paper-fp32fwd",
+                study_fix: str | None = "paper-fix") -> tuple[dict, dict]:
+    """(titles, rules) of N1-N5 with the preset's arms in their roles (a fix role None: its claim
+    is not applicable). The defaults are nat512's roles: CLAIMS and RULES."""
+    names = {"reference": reference, "harmed": harmed, "lab_fix": lab_fix, "study_fix": study_fix,
+             "harmed_what": "the reference arithmetic (paper)" if harmed == "paper" else f"the {harmed} arm",
+             "lab_fix_name": "" if lab_fix is None else f" ({lab_fix})",
+             "study_fix_name": "" if study_fix is None else f" ({study_fix})"}
+    titles = {cid: t.format(**names) for cid, t in _TITLES.items()}
+    rules = {cid: r.format(**names) for cid, r in _RULES.items()}
+    if lab_fix is None:
+        rules["N3"] = _NO_FIX.format(what="the lab's fix")
+    if study_fix is None:
+        rules["N4"] = _NO_FIX.format(what="the study's fix")
+    return titles, rules
+
+
+CLAIMS, RULES = claim_texts()
 FINISHED = ("done", "diverged")
 
 
 # ---------------------------------------------------------------- one arm's outcome
 
 def run_config(run_dir: str | Path) -> dict | None:
-    """The run's attention arithmetic, seed and steps from its config.toml (None without one)."""
+    """The run's attention (backend; precision and stabilizer, which only a flash backend uses),
+    seed and steps from its config.toml (None without one)."""
     p = Path(run_dir) / "config.toml"
     if not p.is_file():
         return None
     cfg = load_config(p)
     spec = cfg.attention.spec
-    return {"precision": spec.precision, "stabilizer": spec.stabilizer, "seed": cfg.train.seed,
+    return {"backend": spec.backend, "precision": spec.precision, "stabilizer": spec.stabilizer, "seed": cfg.train.seed,
             "steps": cfg.train.steps, "divergence_factor": cfg.train.divergence_factor}
 
 
@@ -208,7 +232,7 @@ def _unjudgeable(o: dict) -> str | None:
         return _not_run(o)
     if not o["delta"]:
         return (f"{o['arm']} has no delta probe ({o['steps']} steps logged): decided by a run probed with "
-                f"train.diagnostics_every > 0 on a flash arithmetic")
+                f"train.diagnostics_every > 0 on a flash arithmetic or torch's SDPA")
     return None
 
 
@@ -318,21 +342,32 @@ def _num(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def judge_claims(outcomes: dict, *, reference: str = "fp32", harmed: str = "paper", lab_fix: str = "paper-fp32fwd",
-                 study_fix: str = "paper-fix") -> list[dict]:
-    """N1-N5 from the arms' outcomes ({arm name: arm_outcome}; an absent arm counts as not run)."""
+def judge_claims(outcomes: dict, *, reference: str = "fp32", harmed: str = "paper",
+                 lab_fix: str | None = "paper-fp32fwd", study_fix: str | None = "paper-fix") -> list[dict]:
+    """N1-N5 from the arms' outcomes ({arm name: arm_outcome}; an absent arm counts as not run).
+    A fix role None (the preset has no such arm): its claim is "not applicable". Titles and rules
+    name the arms in their roles (claim_texts)."""
     n1 = judge_lean_arises(outcomes, harmed=harmed)
-    return [n1, judge_control(outcomes, reference=reference),
-            judge_fix(outcomes, n1, fix=lab_fix, claim_id="N3", harmed=harmed),
-            judge_fix(outcomes, n1, fix=study_fix, claim_id="N4", harmed=harmed),
-            judge_divergence(outcomes, n1, harmed=harmed, reference=reference)]
+    fixes = []
+    for fix, cid, what in ((lab_fix, "N3", "the lab's fix"), (study_fix, "N4", "the study's fix")):
+        if fix is None:
+            fixes.append(_claim(cid, NOT_APPLICABLE, f"this preset has no arm of {what}: nothing to judge"))
+        else:
+            fixes.append(judge_fix(outcomes, n1, fix=fix, claim_id=cid, harmed=harmed))
+    claims = [n1, judge_control(outcomes, reference=reference), *fixes,
+              judge_divergence(outcomes, n1, harmed=harmed, reference=reference)]
+    titles, rules = claim_texts(reference=reference, harmed=harmed, lab_fix=lab_fix, study_fix=study_fix)
+    for c in claims:
+        c["title"], c["rule"] = titles[c["id"]], rules[c["id"]]
+    return claims
 
 
-def rules_text() -> str:
-    """The definitions and verdict rules, as the Markdown states them."""
+def rules_text(**roles) -> str:
+    """The definitions and verdict rules, as the Markdown states them (``roles``: the preset's
+    reference, harmed, lab_fix, study_fix, as claim_texts takes them; default nat512's)."""
     return ("Status: the repro's run summary with the package's one divergence rule; an arm short of the preset's "
             "steps is incomplete and is judged on the probes it has (its verdicts say so). Delta lean per layer: "
             "Stouffer's z over the run's probes' z of delta's error (numerics/delta_err_z, per (sequence, head) "
             "units; probes see different batches) with the lab's lean rule: 'leans +/-' at |z| >= 3.29 with a mean "
             "bias ratio of that sign at least the lab's minimum, 'weak' if significant with a smaller ratio. "
-            + " ".join(f"{k}: {v}." for k, v in RULES.items()))
+            + " ".join(f"{k}: {v}." for k, v in claim_texts(**roles)[1].items()))

@@ -3,8 +3,10 @@
 A preset is one shipped config (model, data, seed, batch order) and a few arms that differ in
 the attention arithmetic only: every arm starts from the same weights and sees the same batches.
 The roles name the arms the claims read (analysis.py): ``reference`` (fp32 attention, the
-control), ``harmed`` (the study's reference arithmetic, no fix) and the two fixes, each judged
-separately on the layers where ``harmed`` leans.
+control), ``harmed`` (the arithmetic asked about: the study's reference arithmetic, no fix; in
+``nat512-kernels`` torch's real kernel) and the two fixes, each judged separately on the layers
+where ``harmed`` leans. A preset without a fix arm sets its role to None: its claim is then
+"not applicable".
 """
 from __future__ import annotations
 
@@ -16,11 +18,11 @@ from ...train.shipped import shipped_configs
 from ..repro.presets import lookup_preset
 
 __all__ = ["Arm", "NaturalPreset", "NATURAL_PRESETS", "get_natural_preset", "ARM_KEYS", "FP32", "PAPER",
-           "PAPER_FIX", "PAPER_FP32FWD"]
+           "PAPER_FIX", "PAPER_FP32FWD", "SDPA", "TORCH_CPU", "FA2", "KERNEL_ARMS"]
 
 # keys an arm sets (and train.steps, set by the preset or --steps): a user override of one would
 # silently make the arms something else, so it is refused
-ARM_KEYS = ("attention.precision", "attention.stabilizer", "train.steps")
+ARM_KEYS = ("attention.backend", "attention.precision", "attention.stabilizer", "train.steps")
 
 _SLUG = re.compile(r"^[a-z0-9][a-z0-9.+-]*$")
 
@@ -36,6 +38,13 @@ FP32 = Arm("fp32", "fp32 attention (the control)", ("attention.precision=fp32",)
 PAPER = Arm("paper", "paper (the study's reference arithmetic, no fix)", ("attention.precision=paper",))
 PAPER_FIX = Arm("paper-fix", "paper + the study's fix", ("attention.precision=paper", "attention.stabilizer=paper"))
 PAPER_FP32FWD = Arm("paper-fp32fwd", "paper-fp32fwd (the lab's fix)", ("attention.precision=paper-fp32fwd",))
+# the kernels' arms: torch's real kernel (bf16 under autocast; its probes measure the kernel itself,
+# flashguard.diagnostics.probes), flashguard's faithful model of torch's CPU flash kernel, and production FA2
+SDPA = Arm("sdpa", "torch sdpa (torch's real kernel, bf16)", ("attention.backend=sdpa",))
+TORCH_CPU = Arm("torch-cpu", "torch-cpu (flashguard's model of torch's CPU flash kernel)",
+                ("attention.precision=torch-cpu",))
+FA2 = Arm("fa2", "fa2 (production FA2 arithmetic)", ("attention.precision=fa2",))
+KERNEL_ARMS = (FP32, SDPA, TORCH_CPU, FA2)
 
 
 @dataclass(frozen=True)
@@ -47,8 +56,8 @@ class NaturalPreset:
     arms: tuple[Arm, ...] = (FP32, PAPER, PAPER_FIX, PAPER_FP32FWD)
     reference: str = FP32.name           # the control (N2, N5)
     harmed: str = PAPER.name             # where the lean should arise (N1, N5)
-    lab_fix: str = PAPER_FP32FWD.name    # N3
-    study_fix: str = PAPER_FIX.name      # N4
+    lab_fix: str | None = PAPER_FP32FWD.name   # N3 (None: no such arm, N3 not applicable)
+    study_fix: str | None = PAPER_FIX.name     # N4 (None: no such arm, N4 not applicable)
     overrides: tuple[str, ...] = field(default_factory=tuple)  # shared by every arm, before the user's
     about: str = ""
 
@@ -60,6 +69,8 @@ class NaturalPreset:
         if bad:
             raise ValueError(f"natural preset {self.name!r}: arm names must be folder slugs, got {bad}")
         for role in ("reference", "harmed", "lab_fix", "study_fix"):
+            if role in ("lab_fix", "study_fix") and getattr(self, role) is None:
+                continue
             if getattr(self, role) not in names:
                 raise ValueError(f"natural preset {self.name!r}: {role} {getattr(self, role)!r} is not one of its "
                                  f"arms {names}")
@@ -91,6 +102,24 @@ NATURAL_PRESETS: dict[str, NaturalPreset] = {p.name: p for p in (
                              "train.keep_last=1"),
                   about="smoke test: the micro model (2 layers x 64 wide, T = 64), 12 steps probed every 2 "
                         "(seconds an arm)"),
+    # does torch's real kernel lean in natural training? `flashguard repro --experiment natural --preset
+    # nat512-kernels --out runs/nat512-kernels` (docs/natural/README.md)
+    NaturalPreset("nat512-kernels", "tiny-cpu-512-docs", steps=1000, diagnostics_every=50, arms=KERNEL_ARMS,
+                  harmed=SDPA.name, lab_fix=None, study_fix=None,
+                  about="does torch's real kernel lean in natural training? nat512's set-up (the tiny-cpu model at "
+                        "T = 512 on short documents, data.doc_starts, seed 1337, 1,000 steps, probes every 50 steps "
+                        "on every layer) with attention through torch's own SDPA (sdpa: on CPU its fused flash kernel "
+                        "in bf16, probed as the kernel itself, delta from its O), next to fp32 (the control), "
+                        "torch-cpu (flashguard's model of that kernel, with its ties counted) and fa2; no fix arms "
+                        "(N3, N4 not applicable). Run: `flashguard repro --experiment natural --preset "
+                        "nat512-kernels --out runs/nat512-kernels`; cost estimated from nat512's arms, not measured: "
+                        "about 40-80 min an arm on one core, 3-5 h for the four"),
+    NaturalPreset("natural-kernels-smoke", "micro", steps=12, diagnostics_every=2, arms=KERNEL_ARMS,
+                  harmed=SDPA.name, lab_fix=None, study_fix=None,
+                  overrides=("train.eval_every=6", "train.eval_batches=1", "train.checkpoint_every=6",
+                             "train.keep_last=1"),
+                  about="smoke test of nat512-kernels' arms: the micro model (2 layers x 64 wide, T = 64), 12 steps "
+                        "probed every 2 (seconds an arm)"),
 )}
 
 

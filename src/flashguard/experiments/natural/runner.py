@@ -67,25 +67,38 @@ def parse_runs(items, preset: NaturalPreset) -> dict[str, Path]:
     return out
 
 
-def _expected(preset: NaturalPreset) -> dict[str, tuple[str, str]]:
-    """Each arm's (precision, stabilizer) as its overrides make them (the config's spelling)."""
+def _arithmetic(backend: str, precision, stabilizer) -> tuple:
+    """What an arm's attention is: the backend, and for flash its precision and stabilizer."""
+    return (backend,) if backend != "flash" else (backend, precision, stabilizer)
+
+
+def _arithmetic_text(a: tuple, prefix: str = "attention.") -> str:
+    if a[0] != "flash":
+        return f"{prefix}backend={a[0]}"
+    return f"{prefix}precision={a[1]} {prefix}stabilizer={a[2]}"
+
+
+def _expected(preset: NaturalPreset) -> dict[str, tuple]:
+    """Each arm's attention as its overrides make it (the config's spelling; _arithmetic)."""
     out = {}
     for a in preset.arms:
         spec = load_config(None, list(a.overrides)).attention.spec
-        out[a.name] = (spec.precision, spec.stabilizer)
+        out[a.name] = _arithmetic(spec.backend, spec.precision, spec.stabilizer)
     return out
 
 
 def _check_given(runs: dict[str, Path], preset: NaturalPreset) -> None:
-    """Refuse a run folder whose config is another arm's arithmetic (a swapped --runs)."""
+    """Refuse a run folder whose config is another arm's attention (a swapped --runs)."""
     from .analysis import run_config
     want = _expected(preset)
     wrong = []
     for arm, d in runs.items():
         cfg = run_config(d)
-        if cfg is not None and (cfg["precision"], cfg["stabilizer"]) != want[arm]:
-            wrong.append(f"{arm}={d} has attention.precision={cfg['precision']} attention.stabilizer="
-                         f"{cfg['stabilizer']}, the arm is precision={want[arm][0]} stabilizer={want[arm][1]}")
+        if cfg is None:
+            continue
+        got = _arithmetic(cfg["backend"], cfg["precision"], cfg["stabilizer"])
+        if got != want[arm]:
+            wrong.append(f"{arm}={d} has {_arithmetic_text(got)}, the arm is {_arithmetic_text(want[arm], '')}")
     if wrong:
         raise ValueError("--runs: " + "; ".join(wrong))
 
@@ -147,7 +160,9 @@ def _write(out: Path, preset: NaturalPreset, steps: int, dirs: dict[str, Path], 
                         "dir": rel(dirs[a.name]) if a.name in dirs else None} for a in preset.arms],
               "roles": {"reference": preset.reference, "harmed": preset.harmed, "lab_fix": preset.lab_fix,
                         "study_fix": preset.study_fix},
-              "divergence_rule": describe_rule(DIVERGENCE_FACTOR), "definitions": rules_text(),
+              "divergence_rule": describe_rule(DIVERGENCE_FACTOR),
+              "definitions": rules_text(reference=preset.reference, harmed=preset.harmed, lab_fix=preset.lab_fix,
+                                        study_fix=preset.study_fix),
               "outcomes": [outcomes[a.name] for a in preset.arms], "matching": matching, "claims": claims,
               "versions": _versions(), "figures": []}
     out.mkdir(parents=True, exist_ok=True)
