@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from md_helpers import numbers
 from run_helpers import interrupted
 
 from flashguard.cli import main
@@ -44,28 +45,37 @@ def test_held_when_coherent_explodes_and_zero_mean_of_the_same_or_larger_size_do
     v = _verdict([N, N, 150, 90, 40], [N, N, N, N, 350])
     assert v["verdict"] == "held"
     assert v["numbers"]["alpha_coherent"] == 10 and v["numbers"]["alpha_zero_mean"] == 30
-    assert "coherent-p1 at alpha 10 diverged (step 150" in v["evidence"] and "zero-mean at alpha 30 trained" in v["evidence"]
+    assert v["numbers"]["coherent_step"] == 150
+    coherent, zero_mean = v["evidence"].split("; ")   # each cell's outcome: its alpha, then its step or its loss
+    assert coherent.startswith("coherent-p1") and numbers(coherent)[:2] == [10, 150] and "diverged" in coherent
+    assert zero_mean.startswith("zero-mean") and numbers(zero_mean)[0] == 30 and "trained on" in zero_mean
     assert _verdict([N, N, 150, 90, 40], [N, N, N, N, N], seeds=3)["verdict"] == "held"
 
 
 def test_not_held_when_size_decides_or_zero_mean_explodes_first():
     same = _verdict([N, N, 150, 90, 40], [N, N, 300, 200, 100])
-    assert same["verdict"] == "not held" and "zero-mean diverged at every alpha >= 10" in same["evidence"]
+    assert same["verdict"] == "not held" and same["numbers"]["alpha_coherent"] == 10
+    assert "alpha_zero_mean" not in same["numbers"]
+    assert {300, 200, 100} <= set(numbers(same["evidence"]))   # zero-mean's divergence steps at every alpha >= 10
     reverse = _verdict([N, N, N, N, N], [N, N, N, 200, 100])
-    assert reverse["verdict"] == "not held" and "zero-mean at alpha 30 diverged" in reverse["evidence"]
+    assert reverse["verdict"] == "not held" and reverse["numbers"]["alpha_zero_mean"] == 30
+    assert reverse["evidence"].startswith("zero-mean") and numbers(reverse["evidence"])[:2] == [30, 200]
 
 
 def test_inconclusive_with_the_reason():
     calm = _verdict([N] * 5, [N] * 5)
     assert calm["verdict"] == "inconclusive" and "nothing diverged" in calm["evidence"]
     base = _verdict([N, N, 150, 90, 40], [N] * 5, baseline=80)
-    assert base["verdict"] == "inconclusive" and "baseline (no injection) diverged by itself" in base["evidence"]
+    assert base["verdict"] == "inconclusive" and "baseline" in base["evidence"]
+    assert set(base["numbers"]) == {"coherent_column", "zero_mean_column"} and 80 in numbers(base["evidence"])
     unfinished = _verdict([N, N, 150, 90, 40], [N, N, 300, "partial", "partial"])
-    assert unfinished["verdict"] == "inconclusive" and "missing or unfinished" in unfinished["evidence"]
+    assert unfinished["verdict"] == "inconclusive" and unfinished["numbers"]["alpha_coherent"] == 10
+    assert "missing" in unfinished["evidence"] and {30, 100} <= set(numbers(unfinished["evidence"]))  # which cells
     split = _verdict([N, N, 150, 90, 40], [N, N, 300, [200, None], 100])
-    assert split["verdict"] == "inconclusive" and "split: 1/2 seeds diverged" in split["evidence"]
+    assert split["verdict"] == "inconclusive" and "split" in split["evidence"] and "1/2" in split["evidence"]
     open_c = _verdict([N, "partial", N, N, N], [N] * 5)
-    assert open_c["verdict"] == "inconclusive" and "coherent-p1 at alpha 3: missing" in open_c["evidence"]
+    assert open_c["verdict"] == "inconclusive" and open_c["evidence"].startswith("coherent-p1")
+    assert "missing" in open_c["evidence"] and numbers(open_c["evidence"]) == [3]
 
 
 def test_cells_and_boundaries():
@@ -77,7 +87,8 @@ def test_cells_and_boundaries():
     assert b["coherent-p1"]["alpha_star"] == 10 and b["coherent-p1"]["text"] == "(3, 10]"
     assert b["zero-mean"]["alpha_star"] is None and not b["zero-mean"]["known"]
     bumpy = boundaries(_cells([N, 100, N, 90, 40], [N] * 5), ["coherent-p1", "zero-mean"], ALPHAS)
-    assert bumpy["coherent-p1"]["text"] == "(1, 3] (not monotone)" and bumpy["zero-mean"]["text"] == "> 100"
+    assert bumpy["coherent-p1"]["alpha_star"] == 3 and bumpy["coherent-p1"]["monotone"] is False
+    assert bumpy["coherent-p1"]["text"].startswith("(1, 3]") and bumpy["zero-mean"]["text"] == "> 100"
 
 
 def test_the_grids_arms():
@@ -117,7 +128,7 @@ def test_injection_smoke_on_micro_matched_resumable(tiny_data, tmp_path, monkeyp
     assert (saved_inj.p, saved_inj.reference) == (1.0, "fp32")  # the arm's rule, the user's reference
     assert (out / "phase.png").stat().st_size > 0 and (out / "wq_norms.png").stat().st_size > 0
     text = (out / "injection.md").read_text()
-    assert "| **alpha\\*** |" in text and "I1: A coherent delta error" in text
+    assert "| **alpha\\*** |" in text and saved["claims"][0]["id"] == "I1" and saved["claims"][0]["title"] in text
     # a second call trains nothing
     before = {r["dir"]: (out / r["dir"] / "metrics.jsonl").stat().st_mtime_ns for r in saved["runs"]}
     run_injection(preset, out, overrides=data, progress=False, log=lambda m: None)
@@ -125,16 +136,16 @@ def test_injection_smoke_on_micro_matched_resumable(tiny_data, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--preset", "gpt2-124m-owt"], "no injection grid"),
-    (["--claims", "C1"], "--claims and --remedies apply to --experiment claims"),
-    (["--seeds", "1,x"], "--seeds must be"),
-    (["--seeds", "1,1"], "repeated seed"),
-    (["injection.layers=[7]"], "injection.layers: layer 7 does not exist"),  # checked before anything trains
-    (["injection.reference=fp16"], "injection.reference"),
+    (["--preset", "gpt2-124m-owt"], ("'gpt2-124m-owt'",)),
+    (["--claims", "C1"], ("--claims", "--experiment claims")),   # the option, and where it applies
+    (["--seeds", "1,x"], ("--seeds", "1,x")),
+    (["--seeds", "1,1"], ("repeated seed",)),
+    (["injection.layers=[7]"], ("injection.layers", "7")),  # checked before anything trains
+    (["injection.reference=fp16"], ("injection.reference",)),
 ])
 def test_bad_injection_arguments_name_the_problem(tiny_data, tmp_path, capsys, args, msg):
     code = main(["repro", "--experiment", "injection", "--preset", "micro", "--out", str(tmp_path / "x"),
                  f'data.dir="{tiny_data}"', *args])
-    assert code == 2
-    assert msg in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 2 and all(m in err for m in msg), err   # names the option or key, and the value
     assert not (tmp_path / "x" / "runs").exists()
