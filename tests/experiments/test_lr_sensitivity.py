@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+from md_helpers import numbers, table_dicts, tables
 from run_helpers import interrupted
 
 from flashguard.cli import main
@@ -90,15 +91,20 @@ def _judge(by_arith, fixes=("fix",)):
     return harm, [judge_fix(curves, seeds, harm, fix=f, label=f, claim_id=f"L{k}") for k, f in enumerate(fixes, 2)]
 
 
+def _worse(claim) -> dict:
+    """{seed: worse than fp32} of a verdict's numbers."""
+    return {s: c["worse"] for s, c in claim["numbers"]["per_seed"].items()}
+
+
 def test_held_when_paper_is_worse_at_every_seed_and_the_fix_restores():
     harm, (fix, bad) = _judge({"fp32": [FP32_CURVE] * 2, "paper": [HARMED] * 2, "fix": [SAME] * 2,
                                "bad": [HARMED, [3.0, 2.2, 2.0, D]]}, fixes=("fix", "bad"))
-    assert harm["verdict"] == "held" and "paper worse than fp32 at every seed" in harm["evidence"]
+    assert harm["verdict"] == "held" and _worse(harm) == {"1": True, "2": True}
     per = harm["numbers"]["per_seed"]["1"]
     assert per["lower_lr"] and per["largest"] == 3e-3 and per["largest_ref"] == 3e-2
-    assert per["sens_diff"] > 0 and "seed 1: paper largest trainable lr 0.003 vs fp32 0.03" in harm["evidence"]
-    assert fix["verdict"] == "held" and fix["id"] == "L2"
-    assert bad["verdict"] == "not held" and bad["id"] == "L3" and "worse than fp32 at every seed" in bad["evidence"]
+    assert per["sens_diff"] > 0 and {0.003, 0.03} <= set(numbers(harm["evidence"]))   # the evidence gives both lrs
+    assert fix["verdict"] == "held" and fix["id"] == "L2" and _worse(fix) == {"1": False, "2": False}
+    assert bad["verdict"] == "not held" and bad["id"] == "L3" and _worse(bad) == {"1": True, "2": True}
 
 
 def test_worse_by_sensitivity_alone_counts():
@@ -113,18 +119,22 @@ def test_worse_by_sensitivity_alone_counts():
 
 def test_not_held_when_paper_equals_fp32_and_the_fix_has_nothing_to_restore():
     harm, (fix,) = _judge({"fp32": [FP32_CURVE] * 2, "paper": [SAME] * 2, "fix": [SAME] * 2})
-    assert harm["verdict"] == "not held" and "not worse than fp32 at any seed" in harm["evidence"]
+    assert harm["verdict"] == "not held" and _worse(harm) == {"1": False, "2": False}
     assert abs(harm["numbers"]["per_seed"]["1"]["sens_diff"]) < harm["numbers"]["per_seed"]["1"]["tolerance"]
-    assert fix["verdict"] == "inconclusive" and "nothing to restore: L1 is not held" in fix["evidence"]
+    # nothing to restore: the evidence names L1 and its verdict
+    assert fix["verdict"] == "inconclusive" and "L1" in fix["evidence"] and "not held" in fix["evidence"]
 
 
 def test_inconclusive_when_seeds_disagree_or_runs_are_unfinished():
     harm, (fix,) = _judge({"fp32": [FP32_CURVE] * 2, "paper": [HARMED, SAME], "fix": [SAME] * 2})
-    assert harm["verdict"] == "inconclusive" and "seeds disagree (paper worse at seed 1 only)" in harm["evidence"]
+    assert harm["verdict"] == "inconclusive" and _worse(harm) == {"1": True, "2": False}
+    assert "seeds disagree" in harm["evidence"]
     harm, (fix,) = _judge({"fp32": [FP32_CURVE] * 2, "paper": [HARMED] * 2, "fix": [SAME, HARMED]})
     assert harm["verdict"] == "held" and fix["verdict"] == "inconclusive" and "seeds disagree" in fix["evidence"]
     harm, _ = _judge({"fp32": [FP32_CURVE, [3.0, 2.2, P, 2.4]], "paper": [HARMED] * 2, "fix": [SAME] * 2})
-    assert harm["verdict"] == "inconclusive" and "seed 2 fp32: runs at lr 0.01 unfinished" in harm["evidence"]
+    assert harm["verdict"] == "inconclusive" and harm["numbers"]["per_seed"] == {}
+    assert "fp32" in harm["evidence"] and "unfinished" in harm["evidence"]
+    assert numbers(harm["evidence"]) == [2, 0.01]   # the seed, and the lr of the unfinished run
 
 
 def test_presets_and_their_run_configs():
@@ -173,7 +183,10 @@ def test_smoke_run_end_to_end_resumable(tiny_data, tmp_path, monkeypatch, capsys
     assert (cfg.optim.lr, cfg.attention.spec.precision, cfg.train.seed) == (3e-2, "paper", 1)
     assert (out / "lr_curves.png").stat().st_size > 0
     text = (out / "lr_sensitivity.md").read_text()
-    assert "LR sensitivity" in text and "| L1: bf16 flash (paper)" in text and "![lr_curves.png]" in text
+    assert "LR sensitivity" in text and "![lr_curves.png]" in text
+    (claims,) = [table_dicts(t) for t in tables(text) if t[0] == ["claim", "verdict", "evidence"]]
+    assert [(r["claim"], r["verdict"]) for r in claims] == \
+        [(f"{c['id']}: {c['title']}", f"**{c['verdict']}**") for c in saved["claims"]]
     # a second call (through the CLI) trains nothing
     before = {r["dir"]: (out / r["dir"] / "metrics.jsonl").stat().st_mtime_ns for r in saved["runs"]}
     capsys.readouterr()
@@ -184,20 +197,20 @@ def test_smoke_run_end_to_end_resumable(tiny_data, tmp_path, monkeypatch, capsys
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--preset", "micro"], "no lr-sensitivity grid for preset 'micro'"),
-    (["--claims", "C1"], "--claims: not for --experiment lr-sensitivity"),
-    (["--remedies"], "--remedies: not for --experiment lr-sensitivity"),
-    (["--runs", "somewhere"], "--runs: not for --experiment lr-sensitivity"),
-    (["--seeds", "1,x"], "--seeds must be comma-separated integers"),
-    (["--seeds", "1,1"], "repeated seed"),
-    (["--steps", "0"], "--steps must be >= 1"),
-    (["optim.lr=1e-3"], "optim.lr=1e-3: set by the lr-sensitivity grid"),
-    (["attention.stabilizer=safe"], "set by the lr-sensitivity grid"),
-    (["attention.block_q=0"], "attention.block_q"),  # any bad override: refused before anything trains
+    (["--preset", "micro"], ("lr-sensitivity", "'micro'")),
+    (["--claims", "C1"], ("--claims", "lr-sensitivity")),       # the option, and the experiment it is not for
+    (["--remedies"], ("--remedies", "lr-sensitivity")),
+    (["--runs", "somewhere"], ("--runs", "lr-sensitivity")),
+    (["--seeds", "1,x"], ("--seeds", "1,x")),
+    (["--seeds", "1,1"], ("repeated seed",)),
+    (["--steps", "0"], ("--steps", "0")),
+    (["optim.lr=1e-3"], ("optim.lr=1e-3", "grid")),            # the override, and who sets that key
+    (["attention.stabilizer=safe"], ("attention.stabilizer", "grid")),
+    (["attention.block_q=0"], ("attention.block_q",)),  # any bad override: refused before anything trains
 ])
 def test_bad_lr_sensitivity_arguments_name_the_problem(tiny_data, tmp_path, capsys, args, msg):
     code = main(["repro", "--experiment", "lr-sensitivity", "--preset", "micro-lr-smoke", "--out",
                  str(tmp_path / "x"), f'data.dir="{tiny_data}"', *args])
-    assert code == 2
-    assert msg in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 2 and all(m in err for m in msg), err
     assert not (tmp_path / "x" / "runs").exists()
