@@ -227,7 +227,7 @@ def test_presets_and_their_arm_configs():
 
 # ---------------------------------------------------------------- the kernels' presets
 
-KERNELS = ("fp32", "sdpa", "torch-cpu", "fa2")
+KERNELS = ("sdpa", "fp32", "fa2", "torch-cpu")  # the preset's order: the question first
 KERNEL_ROLES = {"reference": "fp32", "harmed": "sdpa", "lab_fix": None, "study_fix": None}
 
 
