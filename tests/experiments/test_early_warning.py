@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 
 import pytest
 
@@ -19,6 +20,7 @@ from flashguard.experiments.early_warning import (FALSE_ALARM_TARGET, MaxLogitDe
                                                   split_by_seed, sweep)
 from flashguard.diagnostics.monitor import MonitorThresholds
 from flashguard.train.divergence import find_divergence
+from md_helpers import numbers
 
 PROBE_EVERY = 25
 
@@ -327,7 +329,9 @@ def test_the_command_on_fake_run_folders(tmp_path, capsys):
     res = json.loads((out / "early_warning.json").read_text())
     assert res["counts"]["runs"] == 12 and res["counts"]["divergent"] == 4 and res["counts"]["stable"] == 8
     assert res["counts"]["by_seed"] == {s: {"divergent": 1, "stable": 2, "other": 0} for s in ("1", "2", "4", "6")}
-    assert sorted(s["why"].split(" (")[0] for s in res["skipped"]) == ["moved aside by the trainer", "not finished"]
+    why = {s["path"].rsplit("/", 1)[-1]: s["why"] for s in res["skipped"]}   # each folder left out, and why
+    assert set(why) == {"coherent-p0.75-a100", "shuffled-a10.incomplete-1"}
+    assert "not finished" in why["coherent-p0.75-a100"] and "moved aside" in why["shuffled-a10.incomplete-1"]
     div = {r["id"]: r["divergence_step"] for r in res["runs"] if r["diverged"]}
     assert div == {"micro-grid/runs/s1/coherent-p1-a100": 261, "micro-grid/runs/s2/coherent-p1-a100": 262,
                    "more-seeds/runs/s4/coherent-p1-a100": 264, "micro-grid/runs/s6/coherent-p1-a100": 266}
@@ -344,11 +348,17 @@ def test_the_command_on_fake_run_folders(tmp_path, capsys):
     for f in ("early_warning.md", "lead_times.png", "tradeoff.png"):
         assert (out / f).stat().st_size > 0
     md = (out / "early_warning.md").read_text()
-    assert "12 finished runs, 4 divergent, 8 stable twins, 0 other" in md and "Which signal leads" in md
-    assert "**update-entropy** (default 0.5)" in md and "logged in none of these runs" in md
+    counted = re.search(r"\*\*([^*]*finished runs[^*]*)\*\*", md)[1]   # the intro's bold count
+    assert numbers(counted) == [12, 4, 8, 0] and "Which signal leads" in md   # runs, divergent, stable, other
+    bullets = {line.split("**")[1]: line for line in md.splitlines() if line.startswith("* **")}   # the detectors
+    detectors = {d["name"]: d for d in res["detectors"]}
+    assert set(detectors) <= set(bullets) and detectors["update-entropy"]["default"] == 0.5
+    assert numbers(bullets["update-entropy"])[0] == 0.5                   # its default, in the list
+    assert detectors["update-entropy"]["scored_runs"] == 0 and "none" in bullets["update-entropy"]   # never logged
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]   # atomic writes leave no temporaries
     printed = capsys.readouterr().out
-    assert "12 runs: 4 divergent, 8 stable (2 skipped)" in printed
+    (line,) = [ln for ln in printed.splitlines() if ln.startswith("12 runs:")]
+    assert numbers(line) == [12, 4, 8, 2]   # runs, divergent, stable, skipped
     # the same run given twice counts once; a folder that does not exist is an error
     runs, skipped = load_runs([grid, grid / "runs" / "s1"])
     assert len(runs) == 9 and sum("same config.toml" in s["why"] for s in skipped) == 3

@@ -13,6 +13,7 @@ from flashguard.cli import main
 from flashguard.experiments.lab import Bench, Problem, make_problem, run_lab
 from flashguard.experiments.lab.experiments import judge_fix, verdict_over
 from flashguard.experiments.lab.problems import half_ulp_bf16, tail_mass
+from md_helpers import headings, numbers
 
 
 @pytest.mark.parametrize("ties,t,tail", [(2, 512, 0.25), (8, 512, 4.0), (16, 1024, 0.25), (1, 128, 1.0)])
@@ -96,8 +97,11 @@ def test_lab_verdicts_follow_from_the_computation(labs):
     assert fp32["iii_paper_fix_beta2"] == "inconclusive"    # nothing to remove
     assert paper["i_tie_bias"] in ("held", "partly held")
     answers = labs["paper"]["answers"]
-    assert answers["paper"]["line"].startswith("biased under ties: yes")
-    assert answers["fa2"]["line"].startswith("biased under ties: no")
+    assert answers["paper"]["biased_conditions"] and answers["fa2"]["biased_conditions"] == []
+    # the printed answer: yes with the count of leaning conditions, or no
+    paper_says, fa2_says = (answers[p]["line"].split(";")[0] for p in ("paper", "fa2"))
+    assert paper_says.split(": ")[-1].startswith("yes") and fa2_says.split(": ")[-1] == "no"
+    assert numbers(paper_says)[0] == len(answers["paper"]["biased_conditions"])
     assert "paper / safe" in answers["paper"]["failures"]
 
 
@@ -106,15 +110,16 @@ def test_lab_cli_writes_json_md_and_figures(tmp_path, monkeypatch, capsys):
     real = lab_pkg.run_lab
     monkeypatch.setattr(lab_pkg, "run_lab", lambda **kw: real(**{**kw, "n_rows": 128}))
     assert main(["lab", "--quick", "--out", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    assert "paper: biased under ties:" in out and "fa2: biased under ties:" in out
+    out = capsys.readouterr().out.splitlines()
     data = json.loads((tmp_path / "lab.json").read_text())
+    assert {"paper", "fa2"} <= set(data["answers"])   # a line per arithmetic: its answer
+    assert all(f"{pol}: {answer['line']}" in out for pol, answer in data["answers"].items())
     assert set(data["verdicts"]) == {"i_tie_bias", "ii_no_ties_no_bias", "iii_paper_fix_beta2",
                                      "iii_paper_fix_beta7", "iv_worked_example"}
     assert {"condition", "arithmetic", "o", "delta", "o_vs_floor", "delta_vs_floor"} <= set(data["rows"][0])
     assert data["rows"][0]["o_vs_floor"]["unit"] == "row"
     md = (tmp_path / "lab.md").read_text()
-    assert "## Verdicts" in md and "PR #2721" in md and "Unit: one value per independent row" in md
+    assert "Verdicts" in headings(md) and "PR #2721" in md and data["unit_note"].split(" (")[0] in md   # the unit
     for name in ("bias_vs_k", "bias_vs_format"):
         png = (tmp_path / f"{name}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000

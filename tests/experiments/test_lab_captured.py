@@ -2,9 +2,12 @@
 measured like the lab's problems with the sequence as the unit."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from md_helpers import headings
 from run_helpers import MICRO, micro_overrides
 from flashguard.diagnostics.run_state import load_run_state
 from flashguard.experiments.lab.captured import from_run, record_sdpa, run_captured
@@ -61,6 +64,8 @@ def test_lab_cli_with_a_captured_run(micro_run, tmp_path, monkeypatch, capsys):
                  "--capture-batches", "1"]) == 0
     assert "paper (captured):" in capsys.readouterr().out
     md = (tmp_path / "lab" / "lab.md").read_text()
-    assert "## Captured problems" in md and "unit: one value per sequence" in md
+    captured = json.loads((tmp_path / "lab" / "lab.json").read_text())["captured"]
+    assert any(h.startswith("Captured problems") for h in headings(md))
+    assert {p["unit"] for p in captured["problems"]} == {"sequence"} and "per sequence" in md   # the unit, stated
     assert main(["lab", "--quick", "--out", str(tmp_path / "x"), "--capture", str(tmp_path / "nope")]) == 2
     assert "--capture" in capsys.readouterr().err
