@@ -3,6 +3,7 @@ import math
 
 import pytest
 
+from md_helpers import numbers
 from flashguard import keys
 from flashguard.experiments.injection.coherence import (MIN_RUNS, by_component, coherent_component,
                                                         judge_leading_layer, margin, real_bias_ratio,
@@ -15,7 +16,7 @@ def test_coherent_component_of_each_rule():
     assert coherent_component("zero-mean", None, 100) == 0.0
     assert coherent_component("real", None, 3, b=-0.1) == pytest.approx(0.3)
     assert coherent_component("shuffled", None, 3) is None
-    with pytest.raises(ValueError, match="unknown injection rule"):
+    with pytest.raises(ValueError, match="'sideways'"):
         coherent_component("sideways", None, 1)
 
 
@@ -54,10 +55,10 @@ def test_by_component_orders_and_margin_reads_the_boundary():
     assert [r["c"] for r in rows] == pytest.approx([0.0, 0.05, 1.0, 3.0, 5.0])
     m = margin(rows, 0.1)
     assert m["c_diverged"] == 3.0 and m["c_trained"] == 1.0 and m["ratio"] == pytest.approx(30.0)
-    assert "30x below" in m["text"]
+    assert "30x below" in m["text"] and {3, 0.1} <= set(numbers(m["text"]))   # the boundary, the lean
     # nothing coherent diverged: no boundary, no ratio
     m2 = margin(by_component(runs[:2], b=0.05), 0.1)
-    assert m2["ratio"] is None and "no coherent arm diverged" in m2["text"]
+    assert m2["ratio"] is None and m2["c_diverged"] is None and numbers(m2["text"]) == [0.1]   # the lean, no boundary
     assert margin(rows, None)["ratio"] is None
 
 
@@ -82,7 +83,7 @@ def test_leading_layer_held_not_held_inconclusive():
     assert few["verdict"] == "inconclusive"
     # a late layer that leads is no early layer: not held
     late = judge_leading_layer([{0: 100, 1: 100, 2: 100, 3: 20}] * n, 4)
-    assert late["verdict"] == "not held" and "not an early layer" in late["evidence"]
+    assert late["verdict"] == "not held" and late["numbers"]["leader"] == 3 and "early" in late["evidence"]
     # ties leave a run without a single leader
     tied = judge_leading_layer([{0: 50, 1: 50}] * n, 2)
     assert tied["numbers"]["no_single_leader"] == n and tied["verdict"] == "not held"
@@ -103,7 +104,11 @@ def test_runaway_reading_held_not_held_inconclusive():
                {("zero-mean", a): {1: _o(zm[i]), 2: _o(zm[i])} for i, a in enumerate(alphas)}
 
     held = judge_runaway(grid([5.0, 9.0], [1.2, 1.5]), base, alphas, coherent="coherent-p1")
-    assert held["verdict"] == "held" and "alpha 1, not with zero-mean at alpha 10" in held["evidence"]
+    assert held["verdict"] == "held"
+    assert held["numbers"]["coherent"] == {1.0: "ran away", 10.0: "ran away"}
+    assert held["numbers"]["zero_mean"] == {1.0: "held", 10.0: "held"}
+    pair = held["evidence"][:held["evidence"].index(" (alpha")]   # the cells it compares, before the table
+    assert numbers(pair)[-2:] == [1, 10] and pair.index("coherent-p1") < pair.index("zero-mean")
     both = judge_runaway(grid([5.0, 9.0], [3.0, 4.0]), base, alphas, coherent="coherent-p1")
     assert both["verdict"] == "not held"
     only_zm = judge_runaway(grid([1.1, 1.2], [1.1, 3.0]), base, alphas, coherent="coherent-p1")

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from flashguard.experiments.report import add_report_arguments, run_report, write_report
+from md_helpers import headings, numbers, section, tables
 
 PNG = b"\x89PNG\r\n\x1a\n"
 STEPS = 120
@@ -117,13 +118,15 @@ def test_repro_report(repro, tmp_path):
         _check_png(p)
         assert f"figures/{p.name}" in md
     # a row per claim with its verdict, in both files; verdict cells coloured in the HTML
+    rows = [row for table in tables(md) for row in table[1:]]
     for c in CLAIMS:
-        assert re.search(rf"^\| {c['id']} \| .* \| \*\*{c['verdict']}\*\* \|", md, re.M), c["id"]
+        assert any(row[0] == c["id"] and f"**{c['verdict']}**" in row[1:] for row in rows), c["id"]
     assert "a \\| pipe" in md
     for cls in ("v-held", "v-not-held", "v-inconclusive"):
         assert f'<td class="{cls}">' in page
     # runs, remedies, lab verdicts, provenance
-    assert "| paper | main | paper | 120 | 1.6 | 1.5 | 80 |" in md and "| paper-fix |" in md and "missing" in md
+    assert ["paper", "main", "paper", "120", "1.6", "1.5", "80"] in [row[:7] for row in rows]   # steps, losses, divergence
+    assert any(row[0] == "paper-fix" for row in rows) and "missing" in md
     assert "## Remedies" in md and "QK-LayerNorm" in md
     assert "(i) tied maxima" in md and "torch 2.x" in md and "seed 1337" in md
     # self-contained HTML: every image embedded, nothing fetched from elsewhere
@@ -190,7 +193,7 @@ def test_census_section_from_diagnose_json_and_none_without_probe_data(tmp_path)
     from flashguard import keys
     run = _write_run(tmp_path / "plain", probes=False)
     md = write_report([run], tmp_path / "r0")["md"].read_text()
-    assert "Preconditions census" not in md                    # no probe data: no section
+    assert not any(h.startswith("Preconditions") for h in headings(md))   # no probe data: no section
     # a diagnosed checkpoint: one probe with planted ties at the sink and a positive delta lean
     metrics = {keys.TIE_RATE.key(0): 0.2, keys.EXACT_TIE_RATE.key(0): 0.2, keys.TIE_AT_SINK.key(0): 0.9,
                keys.TIE_AT_SINK_CHANCE.key(0): 0.05, keys.PBAR_ONE_MULTI.key(0): 0.2,
@@ -201,8 +204,9 @@ def test_census_section_from_diagnose_json_and_none_without_probe_data(tmp_path)
     (run / "diagnostics" / "diagnose_0000120.json").write_text(json.dumps({"step": 120, "metrics": metrics}))
     (run / "diagnostics" / "diagnose_0000121.json").write_text("{ not json")   # skipped, not fatal
     md = write_report([run], tmp_path / "r1")["md"].read_text()
-    section = md.split("## Preconditions census", 1)[1].split("\n## ", 1)[0]
-    assert "`flashguard diagnose` JSON in diagnostics/; judged at step 120" in section
-    assert "7 present" in section and section.count("| **present** |") == 7
+    body = section(md, "Preconditions census")
+    (run_line,) = [line for line in body.splitlines() if line.startswith("Run ")]   # where it was read, the step
+    assert "`flashguard diagnose`" in run_line and "diagnostics/" in run_line and numbers(run_line)[0] == 120
+    assert "7 present" in body and body.count("| **present** |") == 7
     html = (tmp_path / "r1" / "report.html").read_text()
     assert 'class="v-present"' in html

@@ -2,8 +2,10 @@
 of every run and claim on the micro preset (and the study's GPT-2 preset at reduced size)."""
 import json
 import math
+import re
 
 import pytest
+from md_helpers import numbers
 from run_helpers import interrupted
 
 from flashguard import keys
@@ -147,8 +149,9 @@ def test_study_preset_starts_at_reduced_size(tiny_data, tmp_path, capsys):
     assert code == 0
     saved = json.loads((out / "repro.json").read_text())
     assert saved["preset"] == "gpt2-124m-owt" and [c["id"] for c in saved["claims"]] == ["C1"]
-    cfg = (out / "runs" / "paper" / "config.toml").read_text()
-    assert 'preset = "gpt2-124m"' in cfg and "lr = 0.001" in cfg
+    from flashguard.train import load_config
+    cfg = load_config(out / "runs" / "paper" / "config.toml")
+    assert cfg.model.preset == "gpt2-124m" and cfg.optim.lr == 0.001
     assert "C1" in capsys.readouterr().out
 
 
@@ -179,13 +182,16 @@ def test_demo_writes_the_report_and_resumes(tiny_data, tmp_path, capsys):
     # the causal comparison ran its three arms (at --steps too) and the report shows it
     inj = json.loads((out / "injection" / "injection.json").read_text())
     assert inj["steps"] == 3 and {r["name"] for r in inj["runs"]} == {"real-a1", "coherent-p0.75-a1", "zero-mean-a100"}
-    assert "Error injection: the causal comparison" in html
+    assert any(h.startswith("Error injection") for h in re.findall(r"<h2>(.*?)</h2>", html))   # its section
     # the edge sample: its four arms, two seeds, and the full result cited beside it
     edge = json.loads((out / "edge" / "edge.json").read_text())
     assert edge["steps"] == 3 and edge["seeds"] == [1, 2] and len(edge["runs"]) == 8
-    assert "[5/6] edge attribution" in printed and "2 seeds decide nothing" in printed
+    assert "[5/6]" in printed   # the stage, and each arm's divergences in the sample
+    assert all(f"{a['label']} {a['diverged']}/{a['finished']}" in printed for a in edge["by_lr"][0]["arms"])
     # finished runs keep no checkpoints (the report reads their metrics): megabytes, not 40 MB per checkpoint
-    assert not list(out.rglob("*.pt")) and "removed the finished runs' checkpoints" in printed
+    assert not list(out.rglob("*.pt"))
+    (freed,) = [line for line in printed.splitlines() if "checkpoints" in line and " MB" in line]   # and says so
+    assert numbers(freed)[0] > 0
     # a second call resumes: nothing is trained or measured again
     stamp = (out / "lab" / "lab.json").stat().st_mtime_ns
     assert main(["demo", "--out", str(out), "--data", str(tiny_data), "--steps", "3"]) == 0
