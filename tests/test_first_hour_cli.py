@@ -49,9 +49,10 @@ def test_an_option_that_is_a_config_key_names_the_override(argv, fix, capsys, tm
     assert e.value.code == 2
     err = capsys.readouterr().err
     usage, message = err.strip().split("\n")[0], err.strip().split("\n")[-1]
-    assert usage.startswith(f"usage: flashguard {argv[0]} ")                # the command's usage, not the top level
-    assert message.startswith(f"flashguard {argv[0]}: error: unknown option --")
-    assert f"set {fix} " in message
+    assert usage.split()[:3] == ["usage:", "flashguard", argv[0]]           # the command's usage, not the top level
+    prog, _, problem = message.partition(": error: ")
+    option = next(a.split("=")[0] for a in argv if a.startswith("--") and a not in ("--out", "--preset"))
+    assert prog == f"flashguard {argv[0]}" and option in problem and f"set {fix} " in problem   # the option, the key
     assert not list(tmp_path.iterdir())                                     # nothing ran
 
 
@@ -60,7 +61,7 @@ def test_an_unknown_option_that_is_no_config_key_is_refused_as_before(capsys):
         main(["train", "tiny-cpu", "--out", "x", "--bogus", "3"])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: flashguard train ") and "unrecognized arguments: --bogus 3" in err
+    assert err.split()[:3] == ["usage:", "flashguard", "train"] and "unrecognized" in err and "--bogus 3" in err
 
 
 def test_no_user_facing_text_cites_a_file_users_do_not_have():
