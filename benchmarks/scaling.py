@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from flashguard.utils.table import markdown_table
+
 from flashguard.numerics.policy import GPU_PRESETS, POLICIES
 from flashguard.utils.atomic import atomic_write_json, atomic_write_text
 
@@ -193,11 +195,6 @@ def _cell_mem(point: dict, c: str) -> str:
     return f"{point['peak_mib'][c]:.1f}" if "peak_mib" in point else "-"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = [header, ["---"] * len(header)] + rows
-    return "\n".join("| " + " | ".join(r) + " |" for r in lines)
-
-
 def _fmt_slope(s) -> str:
     return "-" if s is None else f"{s:.2f}"
 
@@ -231,12 +228,12 @@ def markdown(result: dict) -> str:
              "Peak MiB: growth of the peak resident set over one forward+backward in a fresh process (after a "
              f"warm-up call at T = 64), inputs excluded. Presets not run: {skipped}.{subset}", "",
              f"## Time against T (D = {result['t_sweep_d']})", "",
-             _table(["config"] + [f"T={p['T']}" for p in tp], [[c] + [_cell_time(p, c) for p in tp] for c in configs]),
+             markdown_table(["config"] + [f"T={p['T']}" for p in tp], [[c] + [_cell_time(p, c) for p in tp] for c in configs]),
              "", f"## Peak memory against T (D = {result['t_sweep_d']}), MiB", ""]
     if ms is None:
         lines.append("Not measured (--no-memory).")
     else:
-        lines.append(_table(["config"] + [f"T={p['T']}" for p in tp] + [f"slope (T >= {ms['min_t']})"],
+        lines.append(markdown_table(["config"] + [f"T={p['T']}" for p in tp] + [f"slope (T >= {ms['min_t']})"],
                             [[c] + [_cell_mem(p, c) for p in tp] + [_fmt_slope(ms["per_config"][c])]
                              for c in configs]))
     lines += ["", memory_statement(ms), "", f"## Time (and peak MiB) against D (T = {result['d_sweep_t']})", ""]
@@ -245,7 +242,7 @@ def markdown(result: dict) -> str:
     def d_cell(p, c):
         return _cell_time(p, c) + (f", {_cell_mem(p, c)} MiB" if mem and c not in p["skipped"] else "")
     rows = [[c] + [d_cell(p, c) for p in dp] for c in configs]
-    lines.append(_table(["config"] + [f"D={p['D']}" for p in dp], rows) if dp else "Not run (no --d-sizes).")
+    lines.append(markdown_table(["config"] + [f"D={p['D']}" for p in dp], rows) if dp else "Not run (no --d-sizes).")
     return "\n".join(lines) + "\n"
 
 
