@@ -41,10 +41,9 @@ from pathlib import Path
 
 import torch
 
-from flashguard.utils.table import markdown_table
-
 from flashguard.numerics.policy import GPU_PRESETS, POLICIES
 from flashguard.utils.atomic import atomic_write_json, atomic_write_text
+from flashguard.utils.table import markdown_table
 
 HERE = Path(__file__).resolve().parent
 T_SIZES = (256, 512, 1024, 2048, 4096, 8192)
