@@ -93,7 +93,8 @@ def test_a_planted_lean_below_the_max_abs_tolerance_fails_and_is_named():
         ok, err, err_pt = max_abs_passes(planted_lean, _problem(c))
         assert ok, (c, err, err_pt)
     measured = measure_unbiased(planted_lean, conditions=conds)   # ... and leans in both conditions:
-    assert {(lean.condition, lean.quantity) for lean in measured.leans} == {(c, q) for c in conds for q in ("o", "delta")}
+    leans = {(lean.condition, lean.quantity) for lean in measured.leans}
+    assert leans == {(c, q) for c in conds for q in ("o", "delta")}
     for lean in measured.leans:   # O below the truth, delta above it, beyond the floor and against fp64
         sign = -1 if lean.quantity == "o" else 1
         assert sign * lean.vs_floor.mean > 0 and sign * lean.vs_floor.z > 0 and sign * lean.own.z > 0, lean

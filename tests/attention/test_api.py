@@ -19,20 +19,20 @@ X = torch.randn(2, 3, 10, 8)
     (dict(k=torch.randn(1, 3, 10, 8)), ValueError, "batch sizes differ"),
     (dict(v=torch.randn(2, 2, 10, 8)), ValueError, "head counts differ"),
     (dict(k=torch.randn(2, 3, 10, 7)), ValueError, "head dims differ"),
-    (dict(v=torch.randn(2, 3, 11, 8)), ValueError, "sequence lengths differ"),
-    (dict(q=torch.ones(2, 3, 10, 8, dtype=torch.int32)), TypeError, "query must have a floating dtype"),
-    (dict(v=[1.0]), TypeError, "value must be a torch.Tensor"),
+    (dict(v=torch.randn(2, 3, 11, 8)), ValueError, r"key and value.*\b10\b.*\b11\b"),   # who differs, and how
+    (dict(q=torch.ones(2, 3, 10, 8, dtype=torch.int32)), TypeError, "^query.*int32"),      # the argument, what it got
+    (dict(v=[1.0]), TypeError, "^value.*list"),
     (dict(k=torch.randn(2, 3, 10, 8, device="meta")), ValueError, "one device"),
-    (dict(k=X.to(torch.bfloat16)), TypeError, "same dtype, got query torch.float32, key torch.bfloat16"),
+    (dict(k=X.to(torch.bfloat16)), TypeError, "query torch.float32, key torch.bfloat16"),
     (dict(v=X.to(torch.float64)), TypeError, "same dtype"),
     (dict(attn_mask=torch.ones(10, 9, dtype=torch.bool)), ValueError, "attn_mask of shape"),
     (dict(attn_mask=torch.ones(2, 3, 10, 10, 1, dtype=torch.bool)), ValueError, "attn_mask of shape"),
-    (dict(attn_mask=torch.ones(10, 10, dtype=torch.int64)), TypeError, "attn_mask must be bool"),
-    (dict(block_q=0), ValueError, "block_q must be None or an integer >= 1"),
-    (dict(block_k=2.5), ValueError, "block_k must be None or an integer >= 1"),
-    (dict(precision="bf17"), ValueError, "unknown precision policy"),
-    (dict(stabilizer="magic"), ValueError, "unknown stabilizer"),
-    (dict(scale="big"), TypeError, "scale must be a float"),
+    (dict(attn_mask=torch.ones(10, 10, dtype=torch.int64)), TypeError, "^attn_mask.*int64"),
+    (dict(block_q=0), ValueError, r"^block_q.*\b0$"),
+    (dict(block_k=2.5), ValueError, r"^block_k.*2\.5$"),
+    (dict(precision="bf17"), ValueError, "^precision.*'bf17'"),
+    (dict(stabilizer="magic"), ValueError, "^stabilizer.*'magic'"),
+    (dict(scale="big"), TypeError, "^scale.*str"),
 ])
 def test_bad_input_names_the_problem(kwargs, exc, msg):
     args = dict(q=X, k=X, v=X)

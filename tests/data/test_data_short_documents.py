@@ -49,10 +49,10 @@ def test_deterministic_and_in_source_order():
 
 
 @pytest.mark.parametrize("kw,match", [
-    ({"min_bytes": 0}, "min_bytes must be >= 1"),
-    ({"min_bytes": 100, "max_bytes": 50}, r"max_bytes \(50\) must be >= min_bytes \(100\)"),
-    ({"min_bytes": 1.5}, "min_bytes must be an integer"),
-    ({"max_bytes": True}, "max_bytes must be an integer"),
+    ({"min_bytes": 0}, r"^min_bytes.*\b1\b.*\b0$"),                    # the key, its bound, the value
+    ({"min_bytes": 100, "max_bytes": 50}, r"^max_bytes\W+50\b.*min_bytes\W+100\b"),
+    ({"min_bytes": 1.5}, r"^min_bytes.*1\.5$"),
+    ({"max_bytes": True}, "^max_bytes.*True$"),
 ])
 def test_bad_sizes_are_named_at_the_call(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):

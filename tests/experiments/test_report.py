@@ -125,7 +125,8 @@ def test_repro_report(repro, tmp_path):
     for cls in ("v-held", "v-not-held", "v-inconclusive"):
         assert f'<td class="{cls}">' in page
     # runs, remedies, lab verdicts, provenance
-    assert ["paper", "main", "paper", "120", "1.6", "1.5", "80"] in [row[:7] for row in rows]   # steps, losses, divergence
+    # a run: its steps, losses and divergence step
+    assert ["paper", "main", "paper", "120", "1.6", "1.5", "80"] in [row[:7] for row in rows]
     assert any(row[0] == "paper-fix" for row in rows) and "missing" in md
     assert "## Remedies" in md and "QK-LayerNorm" in md
     assert "(i) tied maxima" in md and "torch 2.x" in md and "seed 1337" in md

@@ -208,7 +208,8 @@ def test_report_md_and_html_begin_with_the_summary(tmp_path):
     _repro_folder(tmp_path / "demo", _lab({"paper": _answer(["k=2"], ["paper-fp32fwd / none"])}))
     paths = write_report([tmp_path / "demo"], tmp_path / "demo" / "report")
     md = paths["md"].read_text()
-    assert md.startswith("# ") and headings(md)[0] == "Summary" and section(md, "Summary").lstrip().startswith("What ran:")
+    assert md.startswith("# ") and headings(md)[0] == "Summary"
+    assert section(md, "Summary").lstrip().startswith("What ran:")
     assert md.index("## Summary") < md.index("Produced by") < md.index("## Claims")
     recipe = recipe_pytorch("paper-fp32fwd", "none")
     assert f"```python\n{recipe}\n```" in md

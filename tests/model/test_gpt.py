@@ -232,13 +232,13 @@ def test_layer_specs_helper():
 @pytest.mark.parametrize("overrides, match", [
     ({12: {"precision": "fp32"}}, r"layer 12.*0\.\.11"),
     ({-1: {"precision": "fp32"}}, r"layer -1"),
-    ({"x": {}}, r"'x' is not a layer index"),
-    ({1: {"precison": "fp32"}}, r"unknown field.*precison"),
+    ({"x": {}}, r"'x'"),
+    ({1: {"precison": "fp32"}}, r"precison"),
     ({1: {"precision": "fp33"}}, r"AttentionSpec.precision.*fp33"),
     ({1: {"stabilizer": "paper:gamma=2"}}, r"AttentionSpec.stabilizer"),
-    ({1: {"backend": "cuda"}}, r"unknown backend 'cuda'"),
+    ({1: {"backend": "cuda"}}, r"backend.*'cuda'"),
     ({1: {"block_q": 0, "backend": "flash"}}, r"AttentionSpec.block_q"),
-    ({1: {"precision": "fp32"}}, r"only apply to the flash backend.*'sdpa'"),
+    ({1: {"precision": "fp32"}}, r"\['precision'\].*'sdpa'"),   # the flash-only key, the layer's backend
     ({1: "fp32"}, r"must be a dict"),
 ])
 def test_layer_specs_errors(overrides, match):

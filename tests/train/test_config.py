@@ -30,26 +30,27 @@ def test_overrides_are_typed_and_dotted(tmp_path):
 
 
 @pytest.mark.parametrize("override,msg", [
-    ("train.stepz=5", "unknown config key train.stepz"),
-    ("trian.steps=5", "unknown config section"),
-    ("train.steps=five", "train.steps must be int"),
-    ("train.steps=2.5", "train.steps must be int"),
+    ("train.stepz=5", r"train\.stepz"),
+    ("trian.steps=5", r"\btrian\b"),
+    ("train.steps=five", r"^train\.steps.*\bint\b"),   # the key, the type it takes
+    ("train.steps=2.5", r"^train\.steps.*\bint\b"),
     ("optim.lr=-1", "optim.lr"),
     ("train.autocast=fp8", "train.autocast"),
     ("attention.backend=cuda", "attention.backend"),
     ("attention.layers.x.precision=fp32", "attention.layers.x"),
     ("attention.layers.1.colour=red", "attention.layers.1.colour"),
-    ("attention.precision=papr", r"^attention\.precision: unknown precision policy 'papr'; presets: fp32"),
-    ("attention.stabilizer=sfe", r"^attention\.stabilizer: unknown stabilizer 'sfe'; known: none"),
-    ("attention.layers.1.precision=fp31", r"^attention\.layers\.1\.precision: unknown precision policy"),
-    ("attention.layers.0.stabilizer=3", r"^attention\.layers\.0\.stabilizer: stabilizer must be a name"),
-    ("attention.kernel=cuda", r"^attention\.kernel: unknown kernel 'cuda'; known: auto, pytorch, triton"),
-    ("attention.kernel=triton", r"^attention\.kernel: the triton kernel cannot run precision policy 'paper'"),
-    ("attention.layers.1.kernel=triton", r"^attention\.layers\.1\.kernel: the triton kernel cannot run"),
-    ("attention.block_q=0", r"^attention\.block_q: must be None or an integer >= 1"),
-    ("attention.layers.1.block_k=true", r"^attention\.layers\.1\.block_k: must be None or an integer"),
-    ("attention.spec=x", "unknown config key attention.spec"),
-    ("attention.delta_hook=x", "unknown config key attention.delta_hook"),
+    # the config key first, then the value refused and what is known
+    ("attention.precision=papr", r"^attention\.precision:.*'papr'.*\bfp32\b"),
+    ("attention.stabilizer=sfe", r"^attention\.stabilizer:.*'sfe'.*\bnone\b"),
+    ("attention.layers.1.precision=fp31", r"^attention\.layers\.1\.precision:.*'fp31'"),
+    ("attention.layers.0.stabilizer=3", r"^attention\.layers\.0\.stabilizer:.*\bint$"),
+    ("attention.kernel=cuda", r"^attention\.kernel:.*'cuda'.*auto, pytorch, triton"),
+    ("attention.kernel=triton", r"^attention\.kernel:.*triton.*'paper'"),
+    ("attention.layers.1.kernel=triton", r"^attention\.layers\.1\.kernel:.*triton"),
+    ("attention.block_q=0", r"^attention\.block_q:.*\b0$"),
+    ("attention.layers.1.block_k=true", r"^attention\.layers\.1\.block_k:.*True$"),
+    ("attention.spec=x", r"attention\.spec\b"),
+    ("attention.delta_hook=x", r"attention\.delta_hook\b"),
     ("data.batch_size=10", "data.batch_size"),  # with grad_accum = 4 below
     ("train.steps", "not key=value"),
 ])
