@@ -239,7 +239,7 @@ def test_bad_injection_options_are_refused(kwargs, msg):
 
 @pytest.mark.parametrize("override,msg", [
     ('injection.rule="sorted"', "injection.rule"),
-    ("injection.alpha=3.0", "injection.alpha is set but injection.rule = none"),
+    ("injection.alpha=3.0", r"^injection\.alpha.*injection\.rule\W+none"),   # the key set, the rule that is off
     ('injection.rule="coherent"', "injection.p"),
     ('injection.rule="real";injection.alpha=-1.0', "injection.alpha"),
     ('injection.rule="real";injection.p=0.5', "injection.p"),
@@ -247,8 +247,8 @@ def test_bad_injection_options_are_refused(kwargs, msg):
     ('injection.rule="real";injection.layers=["1"]', "injection.layers"),
     ('injection.rule="real";injection.reference="bf16"', "injection.reference"),
     ('injection.rule="real";injection.seed=-3', "injection.seed"),
-    ("injection.colour=1", "unknown config key injection.colour"),
-    ('injection.alpha="big"', "injection.alpha must be float"),
+    ("injection.colour=1", r"injection\.colour"),
+    ('injection.alpha="big"', r"^injection\.alpha.*\bfloat\b"),
 ])
 def test_bad_injection_config_names_the_key(override, msg):
     with pytest.raises(ConfigError, match=msg):
