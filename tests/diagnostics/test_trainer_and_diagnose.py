@@ -153,6 +153,21 @@ def test_config_keys_parse_round_trip_and_are_checked(tiny_data, tmp_path):
     assert not (tmp_path / "r2").exists()
 
 
+def test_training_hooks_claim_every_key_that_needs_a_hook_as_the_table_names_it():
+    import importlib
+
+    from flashguard.diagnostics import training_hooks
+    from flashguard.train.config import HOOK_KEYS
+    from flashguard.train.injection import InjectionHook
+    hooks = training_hooks()
+    assert [type(h) for h in hooks] == [InjectionHook, DiagnosticsHook]   # the injection's clock first
+    claimed = {k: type(h) for h in hooks for k in h.config_keys}
+    assert sum(len(h.config_keys) for h in hooks) == len(claimed) and set(claimed) == set(HOOK_KEYS)
+    for key, dotted in HOOK_KEYS.items():
+        module, name = dotted.rsplit(".", 1)
+        assert getattr(importlib.import_module(module), name) is claimed[key], key
+
+
 def test_trainer_hook_survives_a_failing_probe_and_prunes_snapshots(tmp_path, monkeypatch):
     import torch
 

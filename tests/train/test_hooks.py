@@ -21,6 +21,12 @@ class Recorder(TrainHook):
     def __init__(self):
         self.calls = []
 
+    def attach(self, model, cfg, rank):
+        # the GPT itself (no DDP wrapper), seeded and on its device, before the optimizer sees it
+        assert rank == 0 and cfg.train.steps > 0 and type(model).__name__ == "GPT"
+        assert all(p.grad is None for p in model.parameters())
+        self.calls.append(("attach", type(model).__name__))
+
     def start(self, run):
         assert isinstance(run, RunInfo) and run.main and run.world == 1
         self.calls.append(("start", run.start))
@@ -65,7 +71,7 @@ def test_hooks_are_called_at_their_points_and_change_nothing(tiny_data, tmp_path
     train(cfg, tmp_path / "hooked", hooks=[rec])
     train(cfg, tmp_path / "plain")
     per_step = lambda s: [("begin", s), ("backward", s), ("optimizer", s)]  # noqa: E731
-    assert rec.calls == [("start", 0), *per_step(0), *per_step(1), ("checkpoint", 2), *per_step(2),
+    assert rec.calls == [("attach", "GPT"), ("start", 0), *per_step(0), *per_step(1), ("checkpoint", 2), *per_step(2),
                          *per_step(3), ("checkpoint", 4), ("end", 4)]
     # the same records, keys in the same order, values equal but the timings
     assert [_strip(x) for x in _lines(tmp_path / "hooked")] == [_strip(x) for x in _lines(tmp_path / "plain")]
@@ -95,12 +101,41 @@ def test_end_is_called_when_the_run_stops_by_an_error_and_resume_calls_start_aga
     assert rec.calls[-2:] == [("begin", 4), ("end", None)]
     again = Recorder()
     result = train(cfg, tmp_path / "r", resume=True, hooks=[again])
-    assert again.calls[0] == ("start", 3) and again.calls[-1] == ("end", 6) and result.steps_done == 6
+    assert again.calls[:2] == [("attach", "GPT"), ("start", 3)] and again.calls[-1] == ("end", 6)
+    assert result.steps_done == 6
 
 
 def test_hooks_must_be_train_hooks(tiny_data, tmp_path):
     with pytest.raises(TypeError, match="TrainHook"):
         train(load_config(MICRO, micro_overrides(tiny_data)), tmp_path / "r", hooks=[object()])
+
+
+def test_hooks_attach_in_order_and_a_key_that_needs_a_hook_is_refused_unless_one_claims_it(tiny_data, tmp_path):
+    order = []
+
+    class Claims(TrainHook):
+        config_keys = ("train.diagnostics_layers",)
+
+        def attach(self, model, cfg, rank):
+            order.append(self)
+
+    cfg = load_config(MICRO, micro_overrides(tiny_data, **{"train.diagnostics_layers": "[1]", "train.steps": 1,
+                                                           "train.eval_every": 0}))
+    with pytest.raises(ConfigError, match=r"^train\.diagnostics_layers = \[1\] needs the hook "
+                                          r"flashguard\.diagnostics\.DiagnosticsHook\b"):
+        train(cfg, tmp_path / "r", hooks=[TrainHook()])
+    first, second = Claims(), Claims()
+    assert train(cfg, tmp_path / "r", hooks=[first, second]).steps_done == 1   # claimed: accepted
+    assert order == [first, second]
+
+
+def test_the_loop_names_none_of_its_plug_ins():
+    import flashguard.train.loop as loop
+    from flashguard.train.config import HOOK_KEYS
+    text = open(loop.__file__).read()
+    assert "inject" not in text.lower() and "update_entropy" not in text and "UpdateEntropy" not in text
+    assert text.count("diagnostics") == 1   # the docstring's one example of a hook
+    assert not [k for k in HOOK_KEYS if k in text]
 
 
 def test_one_logger_interface(tmp_path):

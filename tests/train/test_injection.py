@@ -16,9 +16,10 @@ from flashguard.attention.injection import (DeltaHook, ErrorInjection, Injection
 from flashguard.model import AttentionSpec
 from flashguard.train import ConfigError, JsonlLog, build_model, list_checkpoints, load_checkpoint, load_config, train
 from flashguard.train.config import config_to_toml
-from flashguard.train.injection import install_injection
+from flashguard.train.injection import InjectionHook, install_injection
 
 from run_helpers import ROOT, interrupted, micro_overrides
+from test_loss_hash import RECORDED_PLATFORM, _platform
 
 MICRO = ROOT / "configs" / "micro.toml"
 
@@ -209,19 +210,61 @@ def test_training_with_injection_is_saved_matched_and_resumes_bit_for_bit(tiny_d
     inj = ['injection.rule="coherent"', "injection.p=0.75", "injection.alpha=30.0"]
     none, real, full, crashed = (tmp_path / n for n in ("none", "real", "full", "crashed"))
     train(load_config(MICRO, micro_overrides(tiny_data)), none)
-    train(load_config(MICRO, micro_overrides(tiny_data) + ['injection.rule="real"']), real)
+    train(load_config(MICRO, micro_overrides(tiny_data) + ['injection.rule="real"']), real, hooks=[InjectionHook()])
     assert _losses(real) == _losses(none)  # exact: losses and gradient norms
     a, b = (load_checkpoint(list_checkpoints(r)[-1][1])["model"] for r in (none, real))
     assert all(torch.equal(a[k], b[k]) for k in a)
     cfg = load_config(MICRO, micro_overrides(tiny_data) + inj)
-    train(cfg, full)
+    train(cfg, full, hooks=[InjectionHook()])
     saved = load_config(full / "config.toml")
     assert saved.injection == cfg.injection and saved.injection.p == 0.75 and "[injection]" in config_to_toml(cfg)
     assert _losses(full) != _losses(none)
     assert JsonlLog.read(full / "batches.jsonl") == JsonlLog.read(none / "batches.jsonl")  # same batches
-    interrupted(monkeypatch, 4, lambda: train(cfg, crashed))
-    train(cfg, crashed, resume=True)
+    interrupted(monkeypatch, 4, lambda: train(cfg, crashed, hooks=[InjectionHook()]))
+    train(cfg, crashed, resume=True, hooks=[InjectionHook()])
     assert _losses(crashed) == _losses(full)
+
+
+# (loss, grad norm) per step of micro_overrides' run with INJECTED, recorded at one thread on
+# RECORDED_PLATFORM (tests/train/test_loss_hash.py) by the loop that still installed the injection
+# itself, before InjectionHook became a hook the caller passes: the hook must train the same bits.
+INJECTED = ['injection.rule="coherent"', "injection.p=0.75", "injection.alpha=30.0"]
+RECORDED_INJECTED = {0: (5.530303001403809, 1.9963034391403198), 1: (5.370121955871582, 2.0910873413085938),
+                     2: (5.121511936187744, 2.0479114055633545), 3: (4.992992877960205, 2.027270555496216),
+                     4: (4.916872978210449, 1.8809807300567627), 5: (4.852157115936279, 1.9298450946807861)}
+
+
+def test_an_injection_run_needs_its_hook_and_with_it_trains_as_recorded(tiny_data, tmp_path, one_thread):
+    cfg = load_config(MICRO, micro_overrides(tiny_data) + INJECTED)
+    with pytest.raises(ConfigError, match=r'^injection\.rule = "coherent" needs the hook '
+                                          r'flashguard\.train\.injection\.InjectionHook\b'):
+        train(cfg, tmp_path / "nohook")
+    assert not (tmp_path / "nohook").exists()
+    hook = InjectionHook()
+    train(cfg, tmp_path / "hooked", hooks=[hook])
+    assert hook.clock is not None and hook.clock.step == 5
+    got = _losses(tmp_path / "hooked")
+    assert got != _losses(_plain_run(tiny_data, tmp_path))
+    here = (torch.__version__, _platform())
+    if here != RECORDED_PLATFORM:
+        pytest.skip(f"losses recorded on {RECORDED_PLATFORM}, this is {here} (its kernels round differently)")
+    assert got == RECORDED_INJECTED  # exact floats
+
+
+def _plain_run(tiny_data, tmp_path):
+    train(load_config(MICRO, micro_overrides(tiny_data)), tmp_path / "plain")
+    return tmp_path / "plain"
+
+
+def test_the_injection_hook_without_a_rule_leaves_the_model_alone(tiny_data, tmp_path):
+    cfg = load_config(MICRO, micro_overrides(tiny_data))
+    model, hook = build_model(cfg), InjectionHook()
+    before = list(model.attention_specs)
+    hook.attach(model, cfg, 0)
+    hook.step_begin(0, model)
+    assert hook.clock is None and list(model.attention_specs) == before
+    assert set(InjectionHook.config_keys) == {f"injection.{k}" for k in ("rule", "alpha", "p", "layers", "seed",
+                                                                          "reference", "point")}
 
 
 # ---- bad options -----------------------------------------------------------------------------

@@ -26,11 +26,11 @@ def add(sub, values: str):
 
 
 def run(args) -> int:
-    from ..diagnostics import DiagnosticsHook
+    from ..diagnostics import training_hooks
     from ..train import EXIT_DIVERGED, load_config, train
     from ..train.shipped import find_config
     cfg = load_config(find_config(args.config), args.overrides)
-    result = train(cfg, args.out, resume=args.resume, replay=args.replay, hooks=[DiagnosticsHook()])
+    result = train(cfg, args.out, resume=args.resume, replay=args.replay, hooks=training_hooks())
     if result.diverged and cfg.train.on_divergence == "stop":
         print(f"run diverged at step {result.steps_done}; see {args.out}/divergence.json", file=sys.stderr)
         return EXIT_DIVERGED

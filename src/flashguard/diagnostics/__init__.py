@@ -8,7 +8,8 @@
   q, k, v, dO and qkv input (from a training step, or a forward/backward of their own);
 * ``ProbeState``: what spans probes (previous norms, running sums, previous errors), JSON;
 * the trainer hook ``DiagnosticsHook`` (``train.diagnostics_every``, ``train.diagnostics_layers``;
-  ``flashguard.diagnostics.trainer``), passed to ``train(..., hooks=[DiagnosticsHook()])``, and
+  ``flashguard.diagnostics.trainer``), passed to ``train(..., hooks=[DiagnosticsHook()])``, or with the
+  [injection] section's hook by ``train(..., hooks=training_hooks())``, and
   ``flashguard diagnose`` (``.command``);
 * the preconditions census (``.census``: the tied keys, their V signs and the row-level biases, written by
   the probes; ``.census_table``: the run against the study's GPT-2 with a verdict per precondition, which
@@ -28,11 +29,11 @@ from .monitor import OK, STATE_NAMES, WARNING, WATCH, Monitor, MonitorStatus, Mo
 from .probes import (attention_metrics, error_structure, gradient_error_metrics, map_dq_to_wq, numerics_metrics,
                      probe_layer, run_probes, shadow, spectral_norms, weight_probe)
 from .state import ProbeState
-from .trainer import DEFAULT_EVERY, DiagnosticsHook, TrainerDiagnostics
+from .trainer import DEFAULT_EVERY, DiagnosticsHook, TrainerDiagnostics, training_hooks
 
 __all__ = ["LayerCapture", "CaptureHooks", "capture_batch", "resolve_layers", "ProbeState",
            "weight_probe", "spectral_norms", "shadow", "attention_metrics", "numerics_metrics",
            "gradient_error_metrics", "error_structure", "map_dq_to_wq", "probe_layer", "run_probes",
            "Monitor", "MonitorThresholds", "MonitorStatus", "RunEvaluation", "evaluate_run", "evaluate_runs",
            "find_divergence", "read_metrics", "OK", "WATCH", "WARNING", "STATE_NAMES",
-           "TrainerDiagnostics", "DiagnosticsHook", "DEFAULT_EVERY"]
+           "TrainerDiagnostics", "DiagnosticsHook", "training_hooks", "DEFAULT_EVERY"]

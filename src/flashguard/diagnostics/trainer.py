@@ -1,6 +1,7 @@
 """The trainer's diagnostics hook (``train.diagnostics_every``, ``train.diagnostics_layers``).
 
-    train(cfg, run_dir, hooks=[DiagnosticsHook()])   # flashguard train and repro pass it
+    train(cfg, run_dir, hooks=training_hooks())   # [InjectionHook(), DiagnosticsHook()]: what flashguard
+                                                   # train and repro pass
 
 ``DiagnosticsHook`` is a flashguard.train.hooks.TrainHook: the training loop does not know the
 diagnostics; they plug in from above. It does nothing when ``train.diagnostics_every = 0``.
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from .. import keys
 from ..train.hooks import RunInfo, StepInfo, TrainHook
+from ..train.injection import InjectionHook
 from .capture import CaptureHooks, resolve_layers
 from ..utils.jsonl import read_metrics
 from .monitor import Monitor, MonitorThresholds
@@ -41,7 +43,7 @@ from .probes import run_probes
 from .state import ProbeState
 from .update_entropy import UpdateEntropyHook
 
-__all__ = ["TrainerDiagnostics", "DiagnosticsHook", "DEFAULT_EVERY"]
+__all__ = ["TrainerDiagnostics", "DiagnosticsHook", "training_hooks", "DEFAULT_EVERY"]
 
 # The recommended interval. One probe of all four tiny-cpu layers costs about two training
 # steps (benchmarks/diagnostics.py: 2.5 s against 1.26 s per step), so every 50 steps adds
@@ -171,3 +173,11 @@ class DiagnosticsHook(TrainHook):
         self.update_entropy.end(result)
         if self.diag is not None:
             self.diag.close()
+
+
+def training_hooks() -> list[TrainHook]:
+    """The standard hooks of a training run, new, in the order the loop calls them: the [injection]
+    section's (flashguard.train.injection.InjectionHook; nothing when injection.rule = none) and the
+    probes' (DiagnosticsHook, the update entropy included). Together they claim every key of
+    flashguard.train.config.HOOK_KEYS; ``flashguard train`` and the repro's runs pass them."""
+    return [InjectionHook(), DiagnosticsHook()]

@@ -22,7 +22,7 @@ else:  # pragma: no cover
 
 __all__ = ["ConfigError", "DataConfig", "ModelConfig", "AttentionConfig", "OptimConfig", "TrainConfig",
            "InjectionConfig", "RunConfig", "load_config", "parse_overrides", "apply_overrides", "save_config",
-           "config_to_toml", "config_from_dict", "config_to_dict", "injection_of"]
+           "config_to_toml", "config_from_dict", "config_to_dict", "injection_of", "HOOK_KEYS", "refuse_unclaimed"]
 
 
 class ConfigError(ValueError):
@@ -140,6 +140,31 @@ class RunConfig:
 
 
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+
+# The keys that do nothing unless a hook of the training loop implements them (a hook claims its keys
+# in flashguard.train.hooks.TrainHook.config_keys): key -> the hook to pass. The loop refuses a run that
+# sets one to a value other than its default without a hook that claims it (refuse_unclaimed).
+# flashguard.diagnostics.training_hooks() builds all of them; tests/diagnostics check this table against it.
+_DIAGNOSTICS_HOOK = "flashguard.diagnostics.DiagnosticsHook"
+HOOK_KEYS: dict[str, str] = {
+    "train.diagnostics_every": _DIAGNOSTICS_HOOK,
+    "train.diagnostics_layers": _DIAGNOSTICS_HOOK,
+    "train.update_entropy_every": _DIAGNOSTICS_HOOK,   # its UpdateEntropyHook rides in DiagnosticsHook
+    **{f"injection.{f.name}": "flashguard.train.injection.InjectionHook" for f in dataclasses.fields(InjectionConfig)},
+}
+
+
+def refuse_unclaimed(cfg: RunConfig, claimed) -> None:
+    """ConfigError for the first HOOK_KEYS key that ``cfg`` sets (to a value other than its default)
+    and no key of ``claimed`` (the hooks' config_keys) covers, naming the key and the hook to pass."""
+    for key, hook in HOOK_KEYS.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if key in claimed or value == getattr(type(getattr(cfg, section))(), name):
+            continue
+        raise ConfigError(f"{key} = {_toml_value(value)} needs the hook {hook}: train(cfg, run_dir, "
+                          f"hooks=[..., {hook.rsplit('.', 1)[1]}()]); flashguard.diagnostics.training_hooks() "
+                          "builds every standard hook (flashguard train and repro pass them)")
 
 
 def _check_value(key: str, value, annotation):

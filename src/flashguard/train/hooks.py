@@ -8,6 +8,10 @@
 
 The loop calls every hook, in the order given, at these points of a run:
 
+* ``attach(model, cfg, rank)``   once, right after the seeded model is built (the GPT, on its
+                            device) and before the optimizer and any DDP wrapper: the one point
+                            where a hook may fit the model (the [injection] section's hook puts
+                            its attention hooks into the chosen layers here);
 * ``start(run)``            once, after the model, optimizer and any resumed state are set up and
                             before the first step (``run``: a RunInfo);
 * ``step_begin(step, model)``   before the step's forward pass;
@@ -24,8 +28,11 @@ The loop calls every hook, in the order given, at these points of a run:
 Hooks run on every process; ``run.main`` tells the one that writes the logs. A hook must not
 change the model's parameters or the RNG streams the loop uses, or resume and replay are no
 longer bit-exact. ``config_keys`` names the config keys a hook implements: the loop refuses
-a run that sets one no hook claims (``train.diagnostics_every`` without the diagnostics hook).
-The loop's own [injection] section comes in as a hook too (flashguard.train.injection).
+a run that sets a key of flashguard.train.config.HOOK_KEYS (the keys inert without their hook)
+that no hook claims, naming the key and the hook (``train.diagnostics_every`` without
+flashguard.diagnostics.DiagnosticsHook, ``injection.rule`` without
+flashguard.train.injection.InjectionHook). flashguard.diagnostics.training_hooks() builds the
+standard hooks, the ones ``flashguard train`` and the repro pass.
 """
 from __future__ import annotations
 
@@ -69,6 +76,9 @@ class TrainHook:
     """Base class: every callback does nothing; override the ones you need."""
 
     config_keys: tuple[str, ...] = ()
+
+    def attach(self, model, cfg, rank: int) -> None:
+        pass
 
     def start(self, run: RunInfo) -> None:
         pass

@@ -3,8 +3,11 @@
     clock = install_injection(model, cfg, rank=rank)   # None when injection.rule = "none"
     each step: clock.begin_step(step)                  # before the step's forward/backward
 
-The trainer does both through ``InjectionHook`` (a flashguard.train.hooks.TrainHook):
-``InjectionHook.install(model, cfg, rank=rank)`` when it builds the model, ``step_begin`` each step.
+A training run does both through ``InjectionHook()`` (a flashguard.train.hooks.TrainHook, passed
+like any other: ``train(cfg, run_dir, hooks=[InjectionHook(), ...])``, or
+flashguard.diagnostics.training_hooks()): ``attach`` installs when the loop has built the model,
+``step_begin`` advances the clock each step. It claims every ``injection.*`` key; the loop refuses
+an [injection] section without it.
 
 The hooks (DeltaHook, or OutputHook for injection.point = o) ride on the layers' AttentionSpecs
 (``delta_hook`` / ``output_hook``), so nothing global changes and a
@@ -17,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..attention.injection import InjectionClock, make_hook
-from .config import ConfigError, RunConfig, injection_of
+from .config import ConfigError, InjectionConfig, RunConfig, injection_of
 from .hooks import TrainHook
 
 __all__ = ["install_injection", "injected_layers", "InjectionHook"]
@@ -59,17 +62,18 @@ def install_injection(model, cfg: RunConfig, *, rank: int = 0, observer=None) ->
 
 
 class InjectionHook(TrainHook):
-    """The [injection] section as a hook of the training loop: the hooks go into the model when it
-    is built (``install``), and the clock learns each step before its forward pass."""
+    """The [injection] section as a hook of the training loop: the hooks go into the model when the
+    loop has built it (``attach``; nothing for injection.rule = none), and the clock learns each step
+    before its forward pass."""
 
-    def __init__(self, clock: InjectionClock):
-        self.clock = clock
+    config_keys = tuple(f"injection.{f.name}" for f in dataclasses.fields(InjectionConfig))
 
-    @classmethod
-    def install(cls, model, cfg: RunConfig, *, rank: int = 0) -> "InjectionHook | None":
-        """install_injection as a hook (None for injection.rule = none)."""
-        clock = install_injection(model, cfg, rank=rank)
-        return None if clock is None else cls(clock)
+    def __init__(self):
+        self.clock: InjectionClock | None = None
+
+    def attach(self, model, cfg: RunConfig, rank: int) -> None:
+        self.clock = install_injection(model, cfg, rank=rank)
 
     def step_begin(self, step: int, model) -> None:
-        self.clock.begin_step(step)
+        if self.clock is not None:
+            self.clock.begin_step(step)

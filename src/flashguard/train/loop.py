@@ -8,10 +8,11 @@ number of processes (up to summation order). On CPU a run resumed from a checkpo
 reproduces the uninterrupted run bit for bit: the checkpoint holds model, optimizer, the
 sampler's generator, torch's RNG and the step, and the logs are cut back to that step.
 
-What rides along is plugged in from above: ``hooks`` (flashguard.train.hooks.TrainHook: the
-diagnostics' probes, flashguard.diagnostics.DiagnosticsHook, are one; the [injection] section
-is another, added by the loop itself) and one logger (flashguard.train.loggers: metrics.jsonl,
-TensorBoard, the console).
+What rides along is plugged in from above: ``hooks`` (flashguard.train.hooks.TrainHook, e.g.
+flashguard.diagnostics.DiagnosticsHook) and one logger (flashguard.train.loggers: metrics.jsonl,
+TensorBoard, the console). The loop knows the hooks only through that interface: each may fit the
+model in ``attach`` and claims the config keys it implements; a key that needs a hook
+(flashguard.train.config.HOOK_KEYS) set with no hook claiming it is refused before anything runs.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from ..utils.atomic import atomic_write_text
 from ..utils.jsonl import JsonlLog
 from .checkpoint import latest_checkpoint
 from .checkpointer import Checkpointer
-from .config import ConfigError, RunConfig, save_config
+from .config import ConfigError, RunConfig, refuse_unclaimed, save_config
 from .divergence import LossWatch
 from .evaluator import Evaluator, last_ce
 from .hooks import RunInfo, StepInfo, TrainHook
@@ -118,19 +119,12 @@ def _all_mean(x: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def _check_hooks(cfg: RunConfig, hooks) -> list:
+    """The hooks as a list: each a TrainHook, and every key that needs a hook claimed by one."""
     hooks = list(hooks)
     for h in hooks:
         if not isinstance(h, TrainHook):
             raise TypeError(f"hooks must be flashguard.train.hooks.TrainHook instances, got {type(h).__name__}")
-    claimed = {k for h in hooks for k in h.config_keys}
-    if cfg.train.diagnostics_every and "train.diagnostics_every" not in claimed:
-        raise ConfigError(f"train.diagnostics_every = {cfg.train.diagnostics_every} needs the diagnostics hook: "
-                          "train(cfg, run_dir, hooks=[flashguard.diagnostics.DiagnosticsHook()]) "
-                          "(flashguard train and repro pass it)")
-    if cfg.train.update_entropy_every and "train.update_entropy_every" not in claimed:
-        raise ConfigError(f"train.update_entropy_every = {cfg.train.update_entropy_every} needs its hook: "
-                          "train(cfg, run_dir, hooks=[flashguard.diagnostics.DiagnosticsHook()]), which carries "
-                          "flashguard.diagnostics.update_entropy.UpdateEntropyHook (flashguard train and repro pass it)")
+    refuse_unclaimed(cfg, {k for h in hooks for k in h.config_keys})
     return hooks
 
 
@@ -205,16 +199,13 @@ class Trainer:
         self.diverged, self.last_loss = False, float("nan")
 
     def _build_model(self) -> None:
-        """The seeded model, its [injection] hook, the optimizer and (under torchrun) the DDP wrapper."""
+        """The seeded model (fitted by the hooks' ``attach``), the optimizer and (under torchrun) the DDP wrapper."""
         cfg, device = self.cfg, self.device
         torch.manual_seed(cfg.train.seed)
         self.raw_model = build_model(cfg, self.data.vocab_size).to(device)
         _check_kernels(self.raw_model, device)
-        # [injection]: delta hooks in the chosen flash layers, their draws keyed by (seed, step, call, layer, rank)
-        from .injection import InjectionHook
-        injection = InjectionHook.install(self.raw_model, cfg, rank=self.rank)
-        if injection is not None:
-            self.hooks.insert(0, injection)
+        for h in self.hooks:  # before the optimizer and DDP see the model
+            h.attach(self.raw_model, cfg, self.rank)
         self.block = self.raw_model.config.block_size
         _check_data_fits(cfg, self.data, self.block)
         o = cfg.optim
@@ -290,7 +281,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), o.grad_clip or float("inf")).item()
         record = {keys.STEP: step, keys.LOSS_TRAIN: train_loss, keys.LR: lr, keys.GRAD_NORM: grad_norm}
         info = StepInfo(step=step, model=self.raw_model, indices=indices, record=record)
-        for h in self.hooks:  # e.g. the probes and the monitor, into the record, before optimizer.step()
+        for h in self.hooks:  # metrics into the record, before optimizer.step()
             h.after_backward(info)
         bad = self._check_divergence(info, train_loss, grad_norm)
         if not bad or (t.on_divergence == "continue" and math.isfinite(grad_norm)):

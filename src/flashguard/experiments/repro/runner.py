@@ -86,8 +86,8 @@ def train_run(spec, base: Path, common: list[str], steps: int, run_dir: Path, lo
         while run_dir.with_name(f"{run_dir.name}.incomplete-{k}").exists():
             k += 1
         run_dir.rename(run_dir.with_name(f"{run_dir.name}.incomplete-{k}"))
-    from ...diagnostics import DiagnosticsHook
-    train(cfg, run_dir, resume=resume, log_fn=log, hooks=[DiagnosticsHook()])
+    from ...diagnostics import training_hooks
+    train(cfg, run_dir, resume=resume, log_fn=log, hooks=training_hooks())
     return True
 
 
