@@ -126,7 +126,8 @@ def test_an_incomplete_arm_is_judged_on_what_it_has_and_says_so():
     partial = _arm("fp32", "no lean", "no lean", status="partial", steps=677)
     c = judge_claims(_study_says(fp32=partial))[1]
     caveat = c["evidence"].rsplit(" (", 1)[1]   # the last parenthesis: the arm, how far it got, of how many
-    assert c["verdict"] == HELD and caveat.startswith("fp32 incomplete") and numbers(caveat)[:2] == [677, 1000]
+    assert c["verdict"] == HELD and caveat.startswith("fp32") and "incomplete" in caveat
+    assert numbers(caveat)[:2] == [677, 1000]
     assert "may change" in caveat
 
 
@@ -181,7 +182,7 @@ def test_mode_b_analyses_run_folders_and_trains_nothing(tmp_path, capsys):
     assert {k: c["verdict"] for k, c in v.items()} == {"N1": HELD, "N2": HELD, "N3": HELD, "N4": INCONCLUSIVE,
                                                         "N5": NOT_HELD}
     caveat = v["N3"]["evidence"].rsplit(" (", 1)[1]   # steps logged, of how many, the last probe judged
-    assert caveat.startswith("paper-fp32fwd incomplete") and numbers(caveat) == [60, 100, 50]
+    assert caveat.startswith("paper-fp32fwd") and "incomplete" in caveat and numbers(caveat) == [60, 100, 50]
     assert "paper-fix not run" in v["N4"]["evidence"]
     assert saved["matching"]["batches"]["paper"] == {"compared": 100, "first_mismatch": None}
     assert saved["versions"]["flashguard"]
