@@ -58,7 +58,8 @@ def test_doc_starts_needs_a_separator_one_clear_line(tmp_path, capsys):
     assert "data.doc_starts:" in err[0] and "meta.json" in err[0]   # the key, and the file that lacks one
 
 
-@pytest.mark.parametrize("value,msg", [("1", r"^data\.doc_starts.*\bbool\b"), ('"yes"', r"^data\.doc_starts.*\bbool\b")])
+@pytest.mark.parametrize("value,msg", [("1", r"^data\.doc_starts.*\bbool\b"),
+                                       ('"yes"', r"^data\.doc_starts.*\bbool\b")])
 def test_doc_starts_is_a_bool(value, msg):
     with pytest.raises(ConfigError, match=msg):
         load_config(MICRO, [f"data.doc_starts={value}"])
