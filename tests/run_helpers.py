@@ -76,3 +76,13 @@ def interrupted(monkeypatch, step: int, run) -> None:
     with pytest.raises(KeyboardInterrupt):
         run()
     monkeypatch.undo()
+
+
+def cli_exit(argv: list[str]) -> int:
+    """``flashguard ARGV``'s exit status, whether the command returned it or argparse exited with
+    it (an option the command does not take, a value its parser refuses)."""
+    from flashguard.cli import main
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code

@@ -49,6 +49,33 @@ def test_each_command_describes_itself(capsys, command, words):
         assert w in text, w
 
 
+def _experiments() -> dict:
+    """Each experiment command -> (its presets, the options it takes)."""
+    from flashguard.experiments.edge.presets import EDGE_PRESETS
+    from flashguard.experiments.injection.presets import INJECTION_PRESETS
+    from flashguard.experiments.lr_sensitivity.presets import LR_PRESETS
+    from flashguard.experiments.natural.presets import NATURAL_PRESETS
+    trains = {"--preset", "--steps", "--out"}
+    return {"repro": (PRESETS, trains | {"--claims", "--remedies"}),
+            "injection": (INJECTION_PRESETS, trains | {"--seeds"}),
+            "lr-sensitivity": (LR_PRESETS, trains | {"--seeds"}),
+            "natural": (NATURAL_PRESETS, trains | {"--runs"}),
+            "early-warning": ({}, {"--runs", "--out"}),
+            "edge": (EDGE_PRESETS, trains | {"--seeds"})}
+
+
+@pytest.mark.parametrize("command", ["repro", "injection", "lr-sensitivity", "natural", "early-warning", "edge"])
+def test_each_experiment_is_a_command_with_its_own_options_and_presets(capsys, command):
+    presets, options = _experiments()[command]
+    assert f" {command} " in _help(capsys)
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    usage = " ".join(capsys.readouterr().out.split("\n\n")[0].split())   # argparse wraps lines
+    assert set(re.findall(r"--[a-z-]+", usage)) == options
+    choices = re.search(r"--preset \{([^}]*)\}", usage)
+    assert (choices[1].split(",") if choices else []) == list(presets)
+
+
 def test_lab_default_folder_is_named_by_precision(tmp_path, monkeypatch, capsys):
     import flashguard.experiments.lab as lab
     import flashguard.experiments.lab.report as report

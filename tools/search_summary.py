@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from flashguard.experiments.repro.summary import summarize_run
+from flashguard.experiments.runs import summarize_run
 
 HEADER = ["| run | attention precision | steps | final loss | min loss | max grad norm | diverged |",
           "|---|---|---|---|---|---|---|"]

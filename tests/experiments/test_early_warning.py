@@ -21,6 +21,7 @@ from flashguard.experiments.early_warning import (FALSE_ALARM_TARGET, MaxLogitDe
 from flashguard.diagnostics.monitor import MonitorThresholds
 from flashguard.train.divergence import find_divergence
 from md_helpers import numbers
+from run_helpers import cli_exit
 
 PROBE_EVERY = 25
 
@@ -324,7 +325,7 @@ def test_the_command_on_fake_run_folders(tmp_path, capsys):
     with open(grid / "runs" / "s2" / "coherent-p0.75-a100" / "metrics.jsonl", "a") as f:
         f.write('{"step": 150, "loss/tr')          # a line cut by a kill
     out = tmp_path / "ew"
-    rc = main(["repro", "--experiment", "early-warning", "--runs", str(grid), str(more), "--out", str(out)])
+    rc = main(["early-warning", "--runs", str(grid), str(more), "--out", str(out)])
     assert rc == 0
     res = json.loads((out / "early_warning.json").read_text())
     assert res["counts"]["runs"] == 12 and res["counts"]["divergent"] == 4 and res["counts"]["stable"] == 8
@@ -362,8 +363,8 @@ def test_the_command_on_fake_run_folders(tmp_path, capsys):
     # the same run given twice counts once; a folder that does not exist is an error
     runs, skipped = load_runs([grid, grid / "runs" / "s1"])
     assert len(runs) == 9 and sum("same config.toml" in s["why"] for s in skipped) == 3
-    assert main(["repro", "--experiment", "early-warning", "--runs", str(tmp_path / "nope"), "--out", str(out)]) == 2
-    assert main(["repro", "--experiment", "early-warning", "--out", str(out)]) == 2
+    assert main(["early-warning", "--runs", str(tmp_path / "nope"), "--out", str(out)]) == 2
+    assert cli_exit(["early-warning", "--out", str(out)]) == 2   # --runs is required
 
 
 def test_one_far_out_stable_run_hides_a_signal_under_the_max_band_but_not_the_p90_band():

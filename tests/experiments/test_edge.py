@@ -13,7 +13,7 @@ from flashguard.experiments.edge.presets import CLAIMS, Claim, EdgePreset
 from flashguard.experiments.lr_sensitivity.presets import FP32, PAPER
 from flashguard.train import JsonlLog, load_config
 
-from run_helpers import interrupted
+from run_helpers import cli_exit, interrupted
 
 LABELS = {"fp32": "fp32", "paper": "paper", "fix": "fix"}
 E0 = Claim("E0", "paper diverges more than fp32", "paper", "fp32", "more")
@@ -101,7 +101,7 @@ def test_smoke_run_end_to_end_resumable(tiny_data, tmp_path, monkeypatch, capsys
     assert "| E1: " in (out / "edge.md").read_text() and (out / "survival_lr0.01.png").stat().st_size > 0
     before = {r["dir"]: (out / r["dir"] / "metrics.jsonl").stat().st_mtime_ns for r in saved["runs"]}
     capsys.readouterr()
-    assert main(["repro", "--experiment", "edge", "--preset", "micro-edge-smoke", "--seeds", "1", "--out", str(out),
+    assert main(["edge", "--preset", "micro-edge-smoke", "--seeds", "1", "--out", str(out),
                  *data]) == 0
     assert "E0" in capsys.readouterr().out
     assert before == {r["dir"]: (out / r["dir"] / "metrics.jsonl").stat().st_mtime_ns for r in saved["runs"]}
@@ -114,7 +114,7 @@ def test_smoke_run_end_to_end_resumable(tiny_data, tmp_path, monkeypatch, capsys
     (["--preset", "micro"], ("edge", "'micro'")),
 ])
 def test_bad_edge_arguments_name_the_problem(tiny_data, tmp_path, capsys, args, msg):
-    code = main(["repro", "--experiment", "edge", "--preset", "micro-edge-smoke", "--out", str(tmp_path / "x"),
+    code = cli_exit(["edge", "--preset", "micro-edge-smoke", "--out", str(tmp_path / "x"),
                  f'data.dir="{tiny_data}"', *args])
     err = capsys.readouterr().err
     assert code == 2 and all(m in err for m in msg), err

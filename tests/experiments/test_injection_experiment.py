@@ -1,4 +1,4 @@
-"""`flashguard repro --experiment injection`: the grid's arms, cells and boundaries, the I1 verdict with
+"""`flashguard injection`: the grid's arms, cells and boundaries, the I1 verdict with
 known answers in each direction on fabricated summaries, and a smoke run (matched batches, resume,
 outputs) on the micro model."""
 from __future__ import annotations
@@ -7,9 +7,8 @@ import json
 
 import pytest
 from md_helpers import numbers
-from run_helpers import interrupted
+from run_helpers import cli_exit, interrupted
 
-from flashguard.cli import main
 from flashguard.experiments.injection import (INJECTION_PRESETS, InjectionPreset, arms, boundaries, cell_outcomes,
                                               judge_coherence, run_injection)
 from flashguard.train import JsonlLog, load_config
@@ -137,14 +136,14 @@ def test_injection_smoke_on_micro_matched_resumable(tiny_data, tmp_path, monkeyp
 
 @pytest.mark.parametrize("args,msg", [
     (["--preset", "gpt2-124m-owt"], ("'gpt2-124m-owt'",)),
-    (["--claims", "C1"], ("--claims", "--experiment claims")),   # the option, and where it applies
+    (["--claims", "C1"], ("--claims", "injection")),   # an option injection does not take, and the command
     (["--seeds", "1,x"], ("--seeds", "1,x")),
     (["--seeds", "1,1"], ("repeated seed",)),
     (["injection.layers=[7]"], ("injection.layers", "7")),  # checked before anything trains
     (["injection.reference=fp16"], ("injection.reference",)),
 ])
 def test_bad_injection_arguments_name_the_problem(tiny_data, tmp_path, capsys, args, msg):
-    code = main(["repro", "--experiment", "injection", "--preset", "micro", "--out", str(tmp_path / "x"),
+    code = cli_exit(["injection", "--preset", "micro", "--out", str(tmp_path / "x"),
                  f'data.dir="{tiny_data}"', *args])
     err = capsys.readouterr().err
     assert code == 2 and all(m in err for m in msg), err   # names the option or key, and the value

@@ -1,4 +1,4 @@
-"""`flashguard repro --experiment lr-sensitivity`: the final loss, Wortsman's LR sensitivity on a
+"""`flashguard lr-sensitivity`: the final loss, Wortsman's LR sensitivity on a
 hand-computed curve, diverged runs counted as l0, the verdicts with known answers in each
 direction on fabricated outcomes, the presets' configs, a smoke run (resumable, matched batches,
 outputs) on the micro model, and the CLI's refusals."""
@@ -9,7 +9,7 @@ import math
 
 import pytest
 from md_helpers import numbers, table_dicts, tables
-from run_helpers import interrupted
+from run_helpers import cli_exit, interrupted
 
 from flashguard.cli import main
 from flashguard.experiments.lr_sensitivity import (LR_PRESETS, LRPreset, curve, final_loss, get_lr_preset, judge_fix,
@@ -190,7 +190,7 @@ def test_smoke_run_end_to_end_resumable(tiny_data, tmp_path, monkeypatch, capsys
     # a second call (through the CLI) trains nothing
     before = {r["dir"]: (out / r["dir"] / "metrics.jsonl").stat().st_mtime_ns for r in saved["runs"]}
     capsys.readouterr()
-    assert main(["repro", "--experiment", "lr-sensitivity", "--preset", "micro-lr-smoke", "--seeds", "1",
+    assert main(["lr-sensitivity", "--preset", "micro-lr-smoke", "--seeds", "1",
                  "--out", str(out), *data]) == 0
     assert "L1  " in capsys.readouterr().out
     assert before == {r["dir"]: (out / r["dir"] / "metrics.jsonl").stat().st_mtime_ns for r in saved["runs"]}
@@ -209,7 +209,7 @@ def test_smoke_run_end_to_end_resumable(tiny_data, tmp_path, monkeypatch, capsys
     (["attention.block_q=0"], ("attention.block_q",)),  # any bad override: refused before anything trains
 ])
 def test_bad_lr_sensitivity_arguments_name_the_problem(tiny_data, tmp_path, capsys, args, msg):
-    code = main(["repro", "--experiment", "lr-sensitivity", "--preset", "micro-lr-smoke", "--out",
+    code = cli_exit(["lr-sensitivity", "--preset", "micro-lr-smoke", "--out",
                  str(tmp_path / "x"), f'data.dir="{tiny_data}"', *args])
     err = capsys.readouterr().err
     assert code == 2 and all(m in err for m in msg), err

@@ -1,4 +1,4 @@
-"""`flashguard repro --experiment natural`: claims N1-N5 with known answers each way on fabricated
+"""`flashguard natural`: claims N1-N5 with known answers each way on fabricated
 arm outcomes (held, not held, inconclusive for a missing arm), the analysis of fabricated run
 folders through --runs (mode b, nothing trained), a smoke run of the arms on the micro model
 (mode a: resumable, matched batches, a rerun trains nothing), and the CLI's refusals."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from md_helpers import numbers, table_dicts, tables
-from run_helpers import interrupted
+from run_helpers import cli_exit, interrupted
 
 from flashguard import keys
 from flashguard.cli import main
@@ -160,7 +160,7 @@ def test_mode_b_analyses_run_folders_and_trains_nothing(tmp_path, capsys):
     fp32 = _write_run(tmp_path / "f", 0.1)
     fwd = _write_run(tmp_path / "w", -0.2, steps=60)  # incomplete: 60 of 100 steps
     out = tmp_path / "out"
-    assert main(["repro", "--experiment", "natural", "--steps", "100", "--runs",
+    assert main(["natural", "--steps", "100", "--runs",
                  f"paper={paper},fp32={fp32}", f"paper-fp32fwd={fwd},paper-fix={tmp_path / 'absent'}",
                  "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -294,7 +294,7 @@ def test_kernels_claims_judge_sdpa_both_ways_and_the_fix_claims_do_not_apply():
 def test_kernels_smoke_run_probes_torchs_kernel_and_judges_it(tiny_data, tmp_path, capsys):
     out = tmp_path / "k"
     data = [f'data.dir="{tiny_data}"']
-    assert main(["repro", "--experiment", "natural", "--preset", "natural-kernels-smoke", "--out", str(out),
+    assert main(["natural", "--preset", "natural-kernels-smoke", "--out", str(out),
                  *data]) == 0
     assert "N3  not applicable" in capsys.readouterr().out
     saved = json.loads((out / "natural.json").read_text())
@@ -352,7 +352,7 @@ def test_smoke_run_trains_every_arm_resumable_then_analyses_them(tiny_data, tmp_
     # a rerun (through the CLI) trains nothing
     before = {a: (out / "runs" / a / "metrics.jsonl").stat().st_mtime_ns for a in ARMS}
     capsys.readouterr()
-    assert main(["repro", "--experiment", "natural", "--preset", "natural-smoke", "--out", str(out), *data]) == 0
+    assert main(["natural", "--preset", "natural-smoke", "--out", str(out), *data]) == 0
     assert "N1  " in capsys.readouterr().out
     assert before == {a: (out / "runs" / a / "metrics.jsonl").stat().st_mtime_ns for a in ARMS}
     # mode (b) on the same folders gives the same outcomes
@@ -380,9 +380,9 @@ def test_smoke_run_trains_every_arm_resumable_then_analyses_them(tiny_data, tmp_
     (["attention.block_q=0"], ("attention.block_q",)),   # any bad override: refused before anything trains
 ])
 def test_bad_natural_arguments_name_the_problem(tiny_data, tmp_path, capsys, args, msg):
-    code = main(["repro", "--experiment", "natural", "--preset", "natural-smoke", "--out", str(tmp_path / "x"),
+    code = cli_exit(["natural", "--preset", "natural-smoke", "--out", str(tmp_path / "x"),
                  *([] if "--runs" in args else [f'data.dir="{tiny_data}"']), *args]
-                if "--preset" not in args else ["repro", "--experiment", "natural", "--out", str(tmp_path / "x"),
+                if "--preset" not in args else ["natural", "--out", str(tmp_path / "x"),
                                                 *args])
     err = capsys.readouterr().err
     assert code == 2 and all(m in err for m in msg), err

@@ -6,7 +6,7 @@ import re
 
 import pytest
 from md_helpers import numbers
-from run_helpers import interrupted
+from run_helpers import cli_exit, interrupted
 
 from flashguard import keys
 from flashguard.cli import main
@@ -159,9 +159,11 @@ def test_study_preset_starts_at_reduced_size(tiny_data, tmp_path, capsys):
     (["--claims", "C9"], "C9"),
     (["--preset", "huge"], "huge"),
     (["model.n_layer=1"], "focus layer 1"),
+    (["--seeds", "1"], "--seeds"),             # the other experiments' options are not repro's
+    (["--runs", "x"], "--runs"),
 ])
 def test_bad_repro_arguments_name_the_problem(tiny_data, tmp_path, capsys, args, msg):
-    code = main(["repro", "--preset", "micro", "--out", str(tmp_path / "r"), f'data.dir="{tiny_data}"', *args]
+    code = cli_exit(["repro", "--preset", "micro", "--out", str(tmp_path / "r"), f'data.dir="{tiny_data}"', *args]
                 if "--preset" not in args else ["repro", "--out", str(tmp_path / "r"), *args])
     assert code == 2
     assert msg in capsys.readouterr().err

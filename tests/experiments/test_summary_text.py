@@ -327,7 +327,7 @@ def test_natural_blocks_say_what_the_verdicts_support(verdicts, says, not_says):
     result = _natural(*verdicts)
     blocks = natural_blocks(result)
     where = blocks[0][1]   # where it was measured: the command, the preset, the steps and the arms
-    assert "--experiment natural" in where and "nat512" in where and numbers(where) == [1000]
+    assert "`flashguard natural`" in where and "nat512" in where and numbers(where) == [1000]
     assert re.findall(r"`([\w-]+)`", where) == [a["name"] for a in result["arms"]]
     assert _items(blocks) == [_claim_item(c) for c in result["claims"]]
     text = _flat(render_text(blocks))
@@ -343,7 +343,7 @@ def test_the_demo_shows_the_natural_result_where_it_is_and_says_where_it_is_not(
     from flashguard.experiments.demo import _natural_result
     said = []
     assert _natural_result(tmp_path / "out", tmp_path / "missing.json", said.append) is None
-    assert "not found" in said[-1] and "--experiment natural" in said[-1]
+    assert "not found" in said[-1] and "flashguard natural" in said[-1]
     src = tmp_path / "natural.json"
     src.write_text(json.dumps(_natural("held", "held", "not held", "not held")))
     got = _natural_result(tmp_path / "out", src, said.append)

@@ -73,7 +73,7 @@ def test_summary_and_monitor_agree_on_a_run_folder(tmp_path):
     """One event for every reader: the repro's summary (claim C1) and the monitor's lead time."""
     import json
     from flashguard.diagnostics import evaluate_run
-    from flashguard.experiments.repro.summary import summarize_run
+    from flashguard.experiments.runs import summarize_run
     # warm-up 10: the dip to 1.0 at step 5 does not set the minimum; from step 10 on it is 2.0;
     # a 1.6 x rise (over the monitor's former 1.5 x median rule) is no divergence, 2 x is
     losses = [5.0 - 0.3 * s for s in range(5)] + [1.0] + [2.0] * 14 + [3.2] * 10 + [4.0] + [2.0] * 5

@@ -94,7 +94,7 @@ def test_divergence_stops_with_its_exit_code_and_a_bundle(tiny_data, tmp_path):
     assert JsonlLog.read(run / "metrics.jsonl")[-1]["event/diverged"] == 1
     # offline readers apply the same rule (this run's ceiling, and the default factor 2 it did not set)
     from flashguard.diagnostics import evaluate_run
-    from flashguard.experiments.repro.summary import summarize_run
+    from flashguard.experiments.runs import summarize_run
     offline = summarize_run(run)["diverged_at"]
     assert offline == evaluate_run(run).divergence_step and offline <= step
 
@@ -175,7 +175,7 @@ def test_divergence_factor_stops_at_the_first_doubling(tiny_data, tmp_path):
     # the readers of the finished run name the same step: the repro's summary (claim C1, the
     # report) and the early-warning monitor's evaluation (its lead times)
     from flashguard.diagnostics import evaluate_run
-    from flashguard.experiments.repro.summary import summarize_run
+    from flashguard.experiments.runs import summarize_run
     assert summarize_run(run)["diverged_at"] == evaluate_run(run).divergence_step == first
 
 

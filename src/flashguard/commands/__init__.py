@@ -6,8 +6,10 @@ Each module has ``NAME``, ``add(sub, values)`` (its parser, added to the subpars
 ``flashguard.cli`` assembles the parser from them and dispatches."""
 from __future__ import annotations
 
-from . import audit, check, demo, diagnose, lab, prepare, repro, report, showcase, train
+from . import (audit, check, demo, diagnose, early_warning, edge, injection, lab, lr_sensitivity, natural, prepare,
+               repro, report, showcase, train)
 
 __all__ = ["COMMANDS"]
 
-COMMANDS = {m.NAME: m for m in (demo, showcase, prepare, train, lab, diagnose, repro, audit, check, report)}
+COMMANDS = {m.NAME: m for m in (demo, showcase, prepare, train, lab, diagnose, repro, injection, lr_sensitivity,
+                                natural, early_warning, edge, audit, check, report)}

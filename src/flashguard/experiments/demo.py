@@ -115,7 +115,7 @@ def _edge_lines(edge: dict, full: Path = EDGE_RESULT) -> list[str]:
         measured = json.loads(full.read_text())
         counts = {a["arm"]: a for a in measured["by_lr"][0]["arms"]}
     except (OSError, ValueError, KeyError, IndexError):
-        return lines + [f"the full attribution (10 seeds a arm): flashguard repro --experiment edge (see {full.parent})"]
+        return lines + [f"the full attribution (10 seeds a arm): flashguard edge (see {full.parent})"]
     same = [f"{a['label']} {counts[a['arm']]['diverged']}/{counts[a['arm']]['finished']}" for a in block["arms"]
             if a["arm"] in counts]
     return lines + [f"measured apart ({full}, {len(measured['seeds'])} seeds a arm): " + "; ".join(same)]
@@ -130,7 +130,7 @@ def _natural_result(out: Path, path: Path | None, log) -> dict | None:
     """The natural runs' result (natural.json) copied into OUT/natural/ for the report, or None."""
     path = NATURAL_RESULT if path is None else path
     if not path.is_file():
-        log(f"  natural runs: {path} not found (they are measured apart: flashguard repro --experiment natural)")
+        log(f"  natural runs: {path} not found (they are measured apart: flashguard natural)")
         return None
     try:
         natural = json.loads(path.read_text())

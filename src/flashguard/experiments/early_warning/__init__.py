@@ -7,7 +7,7 @@ replayed (warning, watch), loss and gradient-norm z-score spikes, a max-attentio
 threshold, llm-foundry's KillLossSpike rule, the spectral entropy of the W_Q W_K^T update. Measures (``evaluate``): lead times and misses on divergent runs, false alarms on
 stable ones. Calibration (``calibrate``): thresholds chosen on the odd seeds' stable runs at a
 fixed false-alarm target, measured on the even seeds. Which signal leaves the stable range first
-(``signals``). Command line: ``flashguard repro --experiment early-warning --runs DIR [DIR ...]
+(``signals``). Command line: ``flashguard early-warning --runs DIR [DIR ...]
 --out OUT`` (``runner.run_early_warning``).
 """
 from .calibrate import FALSE_ALARM_TARGET, calibrate, choose_threshold, split_by_seed

@@ -1,4 +1,4 @@
-"""`flashguard repro --experiment early-warning --runs DIR [DIR ...] --out OUT`: the early-warning
+"""`flashguard early-warning --runs DIR [DIR ...] --out OUT`: the early-warning
 detectors measured on finished training runs (those of the injection grid: runs that really
 diverge and their stable twins).
 

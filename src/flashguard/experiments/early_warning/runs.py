@@ -5,7 +5,7 @@ injection experiment puts them at ``runs/s<SEED>/<ARM>/``). Every folder given i
 recursively, so a grid's top folder, its ``runs/`` folder, one seed's folder or a single run all
 work, and a second grid folder (more seeds) adds its runs.
 
-Only finished runs are used: the repro's run summary (``summarize_run``) must say ``done`` (all
+Only finished runs are used: the run summary (``experiments.runs.summarize_run``) must say ``done`` (all
 configured steps, no divergence) or ``diverged``. A run still training (``partial``), a folder the
 trainer moved aside (``<ARM>.incomplete-<k>``), a folder without a readable config (its seed and
 warm-up would be unknown) and a second copy of the same run (identical config.toml: same arm,
@@ -24,7 +24,7 @@ from ... import keys
 from ...train.config import load_config
 from ...train.divergence import find_divergence, rule_of
 from ...utils.jsonl import read_metrics
-from ..repro.summary import summarize_run
+from ..runs import summarize_run
 
 __all__ = ["Run", "load_runs", "find_run_dirs"]
 

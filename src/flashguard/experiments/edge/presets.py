@@ -1,4 +1,4 @@
-"""The edge-attribution experiment's arms and claims (`flashguard repro --experiment edge`).
+"""The edge-attribution experiment's arms and claims (`flashguard edge`).
 
 At a peak lr where the study's bf16 arithmetic (`paper`) diverges and fp32 attention trains
 (docs/lr-sensitivity: the micro model at 0.139), every arm trains the same seeds on the same

@@ -1,11 +1,11 @@
-"""`flashguard repro --experiment edge`: which part of bf16 attention's error makes the LR edge.
+"""`flashguard edge`: which part of bf16 attention's error makes the LR edge.
 
     OUT/edge.json   preset, seeds, every run's overrides and outcome, per-arm counts, the error
                     sizes of the injected arms, the claims' verdicts
     OUT/edge.md     the same as tables
     OUT/runs/s<SEED>/<ARM>/lr<LR>/   each training run
 
-Runs go through the repro's ``train_run`` (finished runs skipped, interrupted ones resumed), so
+Runs go through ``runs.train_run`` (finished runs skipped, interrupted ones resumed), so
 rerunning the command continues; seeds may be split across processes writing to one OUT (each
 writes the results of what it sees; a last run over all seeds writes the whole). The schedule
 and the divergence rule are the LR experiment's (experiments/lr_sensitivity), the arms and the
@@ -24,7 +24,7 @@ from ...utils.table import markdown_table
 from ..lr_sensitivity.analysis import run_outcome
 from ..lr_sensitivity.presets import GRID_KEYS, lr_name, run_spec
 from ..lr_sensitivity.runner import _common, _run_dir, grid_start, train_grid, warmup_steps
-from ..repro.runner import _versions, check_seeds, claims_table, markdown_footer
+from ..runs import check_seeds, claims_table, markdown_footer, versions
 from .analysis import arm_summary, judge_claims, rules_text
 from .figures import survival_curves
 from .presets import EdgePreset
@@ -89,7 +89,7 @@ def _write(out: Path, preset: EdgePreset, seeds, steps: int, common, sizes: dict
               "steps": steps, "warmup_steps": warmup_steps(steps), "seeds": seeds, "lrs": list(preset.lrs),
               "arms": [{"name": a.name, "label": a.label, "overrides": list(a.overrides)} for a in preset.arms],
               "divergence_rule": describe_rule(DIVERGENCE_FACTOR), "rules": rules_text(),
-              "error_sizes": sizes, "by_lr": per_lr, "versions": _versions(), "runs": runs}
+              "error_sizes": sizes, "by_lr": per_lr, "versions": versions(), "runs": runs}
     out.mkdir(parents=True, exist_ok=True)
     result["figures"] = []
     for block in per_lr:

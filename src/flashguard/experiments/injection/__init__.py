@@ -2,7 +2,7 @@
 size, that makes low-precision flash attention training explode?
 
 Training option: the ``[injection]`` config section (flashguard.train.config.InjectionConfig;
-mechanism in flashguard.attention.injection). Runner: ``flashguard repro --experiment injection``
+mechanism in flashguard.attention.injection). Runner: ``flashguard injection``
 (``run_injection``), matched runs over a grid of alpha x sign rule, with the phase diagram of the
 divergence boundary alpha*(p) and the verdict I1 (``judge_coherence``).
 """

@@ -1,6 +1,6 @@
 """Outcomes of the injection runs, the divergence boundary alpha*(p) and the coherence verdict.
 
-A run's outcome: the repro's run summary (summarize_run: the package's one divergence rule,
+A run's outcome: the run summary (runs.summarize_run: the package's one divergence rule,
 train/divergence.py), each layer's W_Q spectral norm (max over heads) and max |logit| over time
 from the weight and attention probes, and its loss series. A cell (column, alpha) over seeds is
 ``diverged`` (every seed diverged), ``trained`` (every seed finished without diverging),
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ... import keys
 from ...utils.jsonl import read_jsonl
-from ..repro.summary import summarize_run
+from ..runs import summarize_run
 
 __all__ = ["HELD", "NOT_HELD", "INCONCLUSIVE", "COHERENCE_CLAIM", "run_outcome", "cell_outcomes", "boundaries",
            "judge_coherence"]

@@ -1,4 +1,4 @@
-"""The injection experiment's grids: which matched runs `flashguard repro --experiment injection` trains.
+"""The injection experiment's grids: which matched runs `flashguard injection` trains.
 
 An arm is one sign rule at one alpha (``[injection]`` overrides); every arm of a seed starts
 from the same config, seed and batch order as the repro preset it builds on, so arms differ in

@@ -1,11 +1,11 @@
-"""`flashguard repro --experiment injection`: the grid's matched runs, the phase diagram, the verdict.
+"""`flashguard injection`: the grid's matched runs, the phase diagram, the verdict.
 
     OUT/injection.json   preset, grid, seeds, every run's overrides and outcome, cells, boundaries, verdict
     OUT/injection.md     the phase table (alpha x column), boundaries alpha*(p), the verdict, the runs
     OUT/phase.png        the phase diagram;  OUT/wq_norms.png  W_Q norms of the telling arms (first seed)
     OUT/runs/s<SEED>/<ARM>/   each training run (config.toml with its [injection], metrics.jsonl, ...)
 
-Runs are trained by the repro's ``train_run`` (skip finished, resume interrupted), so rerunning
+Runs are trained by ``runs.train_run`` (skip finished, resume interrupted), so rerunning
 the command continues where it stopped; the results are rewritten after every run. Every run
 of a seed shares the repro preset's config, that seed and its batch order; all layers are
 probed every ``diagnostics_every`` steps for the W_Q norms and max logits, and the trainer stops
@@ -23,7 +23,7 @@ from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
 from ...utils.atomic import atomic_write_text
 from ...utils.table import markdown_table
 from ..repro.presets import config_path, get_preset
-from ..repro.runner import _versions, check_seeds, claims_table, markdown_footer, train_run
+from ..runs import check_seeds, claims_table, markdown_footer, train_run, versions
 from ...utils.jsonl import read_jsonl
 from .analysis import boundaries, cell_outcomes, judge_coherence, run_outcome
 from .coherence import (by_component, judge_leading_layer, judge_runaway, margin, real_bias_ratio,
@@ -117,7 +117,7 @@ def _write(out: Path, preset: InjectionPreset, grid, seeds, steps: int, common, 
     result = {"experiment": "injection", "preset": preset.name, "about": preset.about, "repro_preset": preset.repro,
               "steps": steps, "seeds": seeds, "alphas": alphas, "ps": list(preset.ps), "columns": cols,
               "reference": preset.reference, "divergence_rule": describe_rule(DIVERGENCE_FACTOR),
-              "versions": _versions(), "runs": runs,
+              "versions": versions(), "runs": runs,
               "cells": [{"column": c, "alpha": a, **cells[(c, a)]} for c in cols for a in alphas if (c, a) in cells],
               "boundaries": bounds, "lean": {str(k): v for k, v in lean.items()}, "by_component": rows,
               "margin": margin(rows, upper), "runaways": runaways, "claims": verdicts, "figures": []}

@@ -4,7 +4,7 @@ several attention arithmetics, at the same seed and batches. Does bf16 flash att
 study's reference arithmetic, ``paper``) narrow the range of learning rates that train, and do
 the fixes (``paper-fp32fwd``, the study's stabilizer) restore fp32's range?
 
-Runner: ``flashguard repro --experiment lr-sensitivity`` (``run_lr_sensitivity``); definitions
+Runner: ``flashguard lr-sensitivity`` (``run_lr_sensitivity``); definitions
 and verdict rules in analysis.py.
 """
 from .analysis import HARM_CLAIM, compare, curve, final_loss, judge_fix, judge_harm, mean_curve, run_outcome

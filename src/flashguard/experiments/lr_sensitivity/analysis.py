@@ -9,7 +9,7 @@ curve of an arithmetic is its runs at every lr of the grid, same weights and bat
   the last step is reported next to it, not judged.
 * **l0**, the loss at initialisation: the measured training loss at step 0 (before any update,
   so identical at every lr of a seed and arithmetic; the median over its runs is taken).
-* a **diverged** run (the package's one rule, flashguard.train.divergence, via the repro's run
+* a **diverged** run (the package's one rule, flashguard.train.divergence, via the shared run
   summary; the trainer stops it there) counts as l0; a finished run counts as min(final loss, l0).
 * **l\\*** the best counted loss of the curve, at the **best lr** (the smaller lr on a tie).
 * **LR sensitivity** (Wortsman et al. 2023): the mean over the lr grid of min(l(lr), l0) - l\\*.
@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ... import keys
 from ...utils.jsonl import read_jsonl
-from ..repro.summary import summarize_run
+from ..runs import summarize_run
 
 __all__ = ["HELD", "NOT_HELD", "INCONCLUSIVE", "FINAL_WINDOW", "TRAINS_FRACTION", "SENSITIVITY_TOLERANCE",
            "HARM_CLAIM", "run_outcome", "final_loss", "curve", "mean_curve", "compare", "judge_harm",

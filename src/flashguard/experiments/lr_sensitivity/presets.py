@@ -1,4 +1,4 @@
-"""The LR-sensitivity experiment's grids: which runs `flashguard repro --experiment lr-sensitivity` trains.
+"""The LR-sensitivity experiment's grids: which runs `flashguard lr-sensitivity` trains.
 
 A preset is a log grid of peak learning rates times a few attention arithmetics, on one repro
 preset's config (model, data, seed, batch order). Every run of a seed starts from the same

@@ -1,4 +1,4 @@
-"""`flashguard repro --experiment lr-sensitivity`: final loss over a log grid of learning rates per
+"""`flashguard lr-sensitivity`: final loss over a log grid of learning rates per
 attention arithmetic, at the same seed and batches, with Wortsman et al.'s LR sensitivity and the
 verdicts (analysis.py states every definition and rule).
 
@@ -7,7 +7,7 @@ verdicts (analysis.py states every definition and rule).
     OUT/lr_curves.png         final loss against lr, one line per arithmetic
     OUT/runs/s<SEED>/<ARITHMETIC>/lr<LR>/   each training run (config.toml, metrics.jsonl, ...)
 
-Runs are trained by the repro's ``train_run`` (skip finished, resume interrupted), so rerunning
+Runs are trained by ``runs.train_run`` (skip finished, resume interrupted), so rerunning
 the command continues where it stopped; the results are rewritten after every run that trained.
 A finished run's checkpoints are deleted (the analysis reads metrics only; ``keep_checkpoints``
 keeps them): a tiny-cpu grid would otherwise hold 56 checkpoints of 39 MB. Every run shares the
@@ -28,7 +28,7 @@ from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
 from ...utils.atomic import atomic_write_text
 from ...utils.table import markdown_table
 from ..repro.presets import config_path, get_preset
-from ..repro.runner import _versions, check_seeds, check_steps, claims_table, markdown_footer, train_run
+from ..runs import check_seeds, check_steps, claims_table, markdown_footer, train_run, versions
 from .analysis import (FINAL_WINDOW, curve, judge_fix, judge_harm, mean_curve, compare, rules_text, run_outcome)
 from .figures import lr_curves
 from .presets import GRID_KEYS, WARMUP_FRACTION, LRPreset, lr_name, run_spec
@@ -91,7 +91,7 @@ def grid_start(preset, out, steps, overrides, check_overrides) -> tuple[Path, Pa
 
 def train_grid(grid, out: Path, base, common, steps: int, log, *, keep_checkpoints: bool, write, t0: float) -> dict:
     """Train every (seed, arithmetic, lr) of ``grid`` in order into OUT/runs/s<SEED>/<NAME>/lr<LR>
-    (the repro's train_run: finished runs skipped, interrupted ones resumed), dropping a finished
+    (runs.train_run: finished runs skipped, interrupted ones resumed), dropping a finished
     run's checkpoints unless kept, and calling ``write()`` after each run that trained, so the
     results survive an interrupt; then ``write()``'s result with its wall time since ``t0``.
     Shared by the LR and edge experiments."""
@@ -143,7 +143,7 @@ def _write(out: Path, preset: LRPreset, seeds, steps: int, common) -> dict:
                               for a in preset.arithmetics],
               "reference": ref, "harmed": preset.harmed, "fixes": list(preset.fixes),
               "divergence_rule": describe_rule(DIVERGENCE_FACTOR), "definitions": rules_text(),
-              "versions": _versions(), "runs": runs,
+              "versions": versions(), "runs": runs,
               "curves": [{"seed": s, "arithmetic": n, **curves[(s, n)]} for s in seeds for n in names],
               "means": [{"arithmetic": n, **means[n]} for n in names], "vs_reference": vs_ref,
               "claims": claims, "figures": []}

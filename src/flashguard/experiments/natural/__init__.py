@@ -5,7 +5,7 @@ positive delta lean arise in real training in the reference arithmetic, not in f
 fixes remove it, and does it make the run diverge? Preset ``nat512-kernels`` asks the same of
 torch's real kernel (arms fp32, sdpa, torch-cpu, fa2; no fix arms: N3, N4 not applicable).
 
-Runner: ``flashguard repro --experiment natural`` (``run_natural``; trains the arms, or with
+Runner: ``flashguard natural`` (``run_natural``; trains the arms, or with
 ``--runs arm=DIR,...`` analyses finished folders); definitions and verdict rules in analysis.py.
 """
 from .analysis import CLAIMS, RULES, arm_outcome, judge_claims, rules_text

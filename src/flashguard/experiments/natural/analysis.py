@@ -3,7 +3,7 @@
 Definitions, fixed before the fix arms' results were read (the unit is one arm: one run of the
 preset's config, every arm on the same seed and batches, differing in the attention arithmetic):
 
-* an arm's **status** is the repro's run summary (``summarize_run``): ``diverged`` by the
+* an arm's **status** is the run summary (``runs.summarize_run``): ``diverged`` by the
   package's one divergence rule (flashguard.train.divergence, with the run's own factor, here 2;
   a step the trainer marked ``event/diverged`` counts), else ``done`` when it logged the
   preset's steps, ``partial`` (still training or stopped) before that, ``missing`` without a
@@ -47,7 +47,7 @@ from ...diagnostics.across_probes import lean_across_probes, split_across_probes
 from ...diagnostics.census_table import census_from_records
 from ...train.config import load_config
 from ...utils.jsonl import read_jsonl
-from ..repro.summary import summarize_run
+from ..runs import summarize_run
 
 __all__ = ["HELD", "NOT_HELD", "INCONCLUSIVE", "NOT_APPLICABLE", "CLAIMS", "RULES", "claim_texts", "arm_outcome", "missing_outcome", "run_config",
            "series_text", "judge_claims", "judge_lean_arises", "judge_control", "judge_fix", "judge_divergence",
@@ -133,7 +133,7 @@ def missing_outcome(arm: str, run_dir: str | Path | None = None, overrides=()) -
 
 
 def arm_outcome(run_dir: str | Path, steps: int, *, arm: str, overrides=(), now: float | None = None) -> dict:
-    """One arm: its status by the repro's run summary (the one divergence rule), steps run, the
+    """One arm: its status by the run summary (runs.summarize_run: the one divergence rule), steps run, the
     last validation loss (and its step), the delta and O leans across probes per layer, the
     census summary line, the run's config, and a one-line ``state``."""
     run_dir = Path(run_dir)

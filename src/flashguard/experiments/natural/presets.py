@@ -1,4 +1,4 @@
-"""The natural-preconditions experiment's arms: which runs `flashguard repro --experiment natural` trains.
+"""The natural-preconditions experiment's arms: which runs `flashguard natural` trains.
 
 A preset is one shipped config (model, data, seed, batch order) and a few arms that differ in
 the attention arithmetic only: every arm starts from the same weights and sees the same batches.
@@ -102,8 +102,8 @@ NATURAL_PRESETS: dict[str, NaturalPreset] = {p.name: p for p in (
                              "train.keep_last=1"),
                   about="smoke test: the micro model (2 layers x 64 wide, T = 64), 12 steps probed every 2 "
                         "(seconds an arm)"),
-    # does torch's real kernel lean in natural training? `flashguard repro --experiment natural --preset
-    # nat512-kernels --out runs/nat512-kernels` (docs/natural/README.md)
+    # does torch's real kernel lean in natural training? `flashguard natural --preset nat512-kernels
+    # --out runs/nat512-kernels` (docs/natural/README.md)
     NaturalPreset("nat512-kernels", "tiny-cpu-512-docs", steps=1000, diagnostics_every=50, arms=KERNEL_ARMS,
                   harmed=SDPA.name, lab_fix=None, study_fix=None,
                   about="does torch's real kernel lean in natural training? nat512's set-up (the tiny-cpu model at "
@@ -111,7 +111,7 @@ NATURAL_PRESETS: dict[str, NaturalPreset] = {p.name: p for p in (
                         "on every layer) with attention through torch's own SDPA (sdpa: on CPU its fused flash kernel "
                         "in bf16, probed as the kernel itself, delta from its O), next to fp32 (the control), "
                         "torch-cpu (flashguard's model of that kernel, with its ties counted) and fa2; no fix arms "
-                        "(N3, N4 not applicable). Run: `flashguard repro --experiment natural --preset "
+                        "(N3, N4 not applicable). Run: `flashguard natural --preset "
                         "nat512-kernels --out runs/nat512-kernels`; cost estimated from nat512's arms, not measured: "
                         "about 40-80 min an arm on one core, 3-5 h for the four"),
     NaturalPreset("natural-kernels-smoke", "micro", steps=12, diagnostics_every=2, arms=KERNEL_ARMS,

@@ -1,11 +1,11 @@
-"""`flashguard repro --experiment natural`: the matched natural-preconditions runs (issue #12 item
+"""`flashguard natural`: the matched natural-preconditions runs (issue #12 item
 4) and claims N1-N5 judged on them (analysis.py states every definition and rule).
 
     OUT/natural.json   preset, arms (overrides, folder), per-arm outcome, matching, claims, versions
     OUT/natural.md     the claims table, the arms table, the leans per layer, the rules
     OUT/runs/<ARM>/    each arm's training run (mode a; config.toml, metrics.jsonl, checkpoints/, ...)
 
-Two modes. (a) Train: every arm of the preset by the repro's ``train_run`` (a finished arm is
+Two modes. (a) Train: every arm of the preset by ``runs.train_run`` (a finished arm is
 skipped, an interrupted one resumes from its last checkpoint), so rerunning the command continues
 where it stopped; the results are rewritten after every arm. Checkpoints are kept (the
 captured-problem lab reads a run's last one). (b) ``runs={arm: DIR}``: analyse run folders
@@ -23,7 +23,7 @@ from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
 from ...utils.atomic import atomic_write_text
 from ...utils.table import markdown_table
 from ..repro.presets import RunSpec
-from ..repro.runner import _versions, check_steps, claims_table, markdown_footer, train_run
+from ..runs import check_steps, claims_table, markdown_footer, train_run, versions
 from .analysis import (arm_outcome, judge_claims, matched_batches, missing_outcome, rules_text, series_text,
                        state_text)
 from .presets import ARM_KEYS, NaturalPreset
@@ -164,7 +164,7 @@ def _write(out: Path, preset: NaturalPreset, steps: int, dirs: dict[str, Path], 
               "definitions": rules_text(reference=preset.reference, harmed=preset.harmed, lab_fix=preset.lab_fix,
                                         study_fix=preset.study_fix),
               "outcomes": [outcomes[a.name] for a in preset.arms], "matching": matching, "claims": claims,
-              "versions": _versions(), "figures": []}
+              "versions": versions(), "figures": []}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "natural.json", json.dumps(result, indent=1, default=float) + "\n")
     atomic_write_text(out / "natural.md", natural_markdown(result))

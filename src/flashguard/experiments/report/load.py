@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...utils.jsonl import read_metrics
-from ..repro.summary import summarize_run
+from ..runs import summarize_run
 
 __all__ = ["Run", "Lab", "Study", "folder_kind", "load_study"]
 

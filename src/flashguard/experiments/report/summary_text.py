@@ -332,7 +332,7 @@ def natural_blocks(result: dict) -> list[tuple]:
     the result; where they were measured, since the demo shows a result it did not train."""
     claims = {c.get("id"): c for c in result.get("claims") or []}
     arms = ", ".join(f"`{a.get('name', '?') if isinstance(a, dict) else a}`" for a in (result.get("arms") or []))
-    blocks: list[tuple] = [("p", f"The natural half, measured apart (`flashguard repro --experiment natural`, preset "
+    blocks: list[tuple] = [("p", f"The natural half, measured apart (`flashguard natural`, preset "
                                  f"{result.get('preset', '?')}: {result.get('steps', '?')} steps an arm, arms {arms}, "
                                  "the same seed and batches; docs/natural/): does the lean arise in real training, "
                                  "and does a fix remove it?")]

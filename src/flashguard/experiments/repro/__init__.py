@@ -2,7 +2,6 @@
 from .claims import CLAIMS, judge_claims
 from .presets import PRESETS, ReproPreset, RunSpec, get_preset, run_specs
 from .runner import claims_markdown, run_repro
-from .summary import summarize_run
 
 __all__ = ["CLAIMS", "judge_claims", "PRESETS", "ReproPreset", "RunSpec", "get_preset", "run_specs", "run_repro",
-           "claims_markdown", "summarize_run"]
+           "claims_markdown"]

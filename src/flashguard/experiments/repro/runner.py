@@ -11,56 +11,19 @@ NAME.incomplete-K and started again, so nothing written is lost.
 from __future__ import annotations
 
 import json
-import platform
 import time
 from pathlib import Path
 
-import torch
-
-from ...train import load_config, train
-from ...train.checkpoint import latest_checkpoint
+from ...train import load_config
 from ...train.divergence import DIVERGENCE_FACTOR, describe_rule
 from ...train.loop import gpt_config
 from ...utils.atomic import atomic_write_text
 from ...utils.table import markdown_table
+from ..runs import check_steps, claims_table, markdown_footer, summarize_run, train_run, versions
 from .claims import CLAIMS, judge_claims
 from .presets import CLAIM_RUNS, ReproPreset, config_path, run_specs
-from .summary import summarize_run
 
-__all__ = ["run_repro", "claims_markdown", "claims_table", "markdown_footer", "train_run", "check_steps",
-           "check_seeds"]
-
-
-def _versions() -> dict:
-    from ... import __version__
-    return {"flashguard": __version__, "torch": torch.__version__, "python": platform.python_version()}
-
-
-def markdown_footer(result: dict) -> list[str]:
-    """The closing lines of an experiment's markdown: its figures (if any) and the _versions() line.
-    Shared by repro, injection and lr-sensitivity so their reports end alike."""
-    lines = ([""] + [f"![{f}]({f})" for f in result["figures"]]) if result.get("figures") else []
-    v = result["versions"]
-    return lines + ["", f"flashguard {v['flashguard']}, torch {v['torch']}, Python {v['python']}."]
-
-
-def claims_table(claims: list[dict]) -> str:
-    """An experiment's claims as a Markdown table: the claim, its verdict (bold), the evidence.
-    Shared by the experiments' markdown writers."""
-    return markdown_table(["claim", "verdict", "evidence"],
-                          [[f"{c['id']}: {c['title']}", f"**{c['verdict']}**", c["evidence"]] for c in claims])
-
-
-def check_steps(steps) -> None:
-    """An experiment's ``steps``: None (the preset's) or an integer >= 1."""
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-
-
-def check_seeds(seeds: list[int]) -> None:
-    """An experiment's seeds: no seed twice."""
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"--seeds: repeated seed in {seeds}")
+__all__ = ["run_repro", "claims_markdown"]
 
 
 def _needed(claims, focus: int) -> set[str]:
@@ -68,27 +31,6 @@ def _needed(claims, focus: int) -> set[str]:
     for c in claims:
         names |= {n.format(L=focus) for n in CLAIM_RUNS[c]}
     return names
-
-
-def train_run(spec, base: Path, common: list[str], steps: int, run_dir: Path, log) -> bool:
-    """Train one matched run (``base`` config + ``common`` + ``spec.overrides``) into ``run_dir``:
-    skipped when finished, resumed from its last checkpoint when interrupted, started afresh
-    (the old folder moved aside) when it stopped before its first checkpoint. The injection
-    experiment (experiments/injection) trains its runs through this too. True when it trained."""
-    cfg = load_config(base, [*common, *spec.overrides, f"train.steps={steps}"])
-    status = summarize_run(run_dir, steps)["status"]
-    if status in ("done", "diverged"):
-        log(f"  {spec.name}: already {status}, skipped")
-        return False
-    resume = latest_checkpoint(run_dir) is not None
-    if run_dir.exists() and not resume:
-        k = 1
-        while run_dir.with_name(f"{run_dir.name}.incomplete-{k}").exists():
-            k += 1
-        run_dir.rename(run_dir.with_name(f"{run_dir.name}.incomplete-{k}"))
-    from ...diagnostics import training_hooks
-    train(cfg, run_dir, resume=resume, log_fn=log, hooks=training_hooks())
-    return True
 
 
 def run_repro(preset: ReproPreset, out: str | Path, *, claims=None, remedies: bool = False, steps: int | None = None,
@@ -133,7 +75,7 @@ def _write(out: Path, preset, specs, claims, steps, focus, common, remedies, see
               "seed": seed,
               "base_precision": preset.precision, "focus_layer": focus,
               "divergence_rule": describe_rule(DIVERGENCE_FACTOR),
-              "versions": _versions(), "runs": runs, "claims": verdicts,
+              "versions": versions(), "runs": runs, "claims": verdicts,
               "remedies": _remedies(runs) if remedies else [], "lab": "lab" if (out / "lab" / "lab.json").exists() else None}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "repro.json", json.dumps(result, indent=1, default=float) + "\n")
