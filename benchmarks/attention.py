@@ -32,7 +32,7 @@ from flashguard.attention import flash_attention, reference_attention
 
 B, H, D = 2, 12, 64
 PRESETS = ["fp32", "paper", "fa2"]
-STABILIZERS = ["none", "paper", "safe"]
+STABILIZERS = ["none", "paper"]  # the study's shift beside none (safe is retired)
 # the lab's measured fixes that are arithmetics, not shifts: each against the arithmetic it fixes
 FIXES = {"paper-fp32fwd": "paper", "fa2-e4m3-pscaled": "fa2-e4m3", "fa2-e5m2-pscaled": "fa2-e5m2"}
 
@@ -165,15 +165,13 @@ def main() -> None:
         checks = [("fa2 within 1.5x of SDPA time", med["fa2/none"] / med["sdpa"] <= 1.5)]
         for preset in PRESETS:
             checks += [(f"paper stabilizer <= 10% over none ({preset} preset)",
-                        best[f"{preset}/paper"] / best[f"{preset}/none"] <= 1.10),
-                       (f"safe stabilizer <= 3% over none ({preset} preset)",
-                        best[f"{preset}/safe"] / best[f"{preset}/none"] <= 1.03)]
+                        best[f"{preset}/paper"] / best[f"{preset}/none"] <= 1.10)]
         for fix, base in FIXES.items():
-            checks.append((f"{fix} (the lab's fix of {base}) <= 3% over {base}",
-                           best[f"{fix}/none"] / best[f"{base}/none"] <= 1.03))
+            checks.append((f"{fix} (the lab's fix of {base}) <= 10% over {base}",
+                           best[f"{fix}/none"] / best[f"{base}/none"] <= 1.10))
         if "reference-code" in med:
-            checks.append(("paper preset at least as fast as the reference code",
-                           med["paper/none"] <= med["reference-code"]))
+            checks.append(("paper preset at least 2x as fast as the reference code",
+                           2 * med["paper/none"] <= med["reference-code"]))
         if mem and t >= 4096:
             checks.append(("fa2 extra memory <= 1/4 of math attention", mem["fa2/none"] <= mem["math"] / 4))
         for what, ok in checks:
