@@ -14,7 +14,7 @@ the profiler saw minus the ops' sum (interpreter, autograd bookkeeping).
 
 Each configuration is warmed up with ``--repeats`` untimed calls, then three calls are profiled
 and their mean is reported; the profiler slows small ops, so treat the split as a proportion,
-not as a timing (benchmarks/attention.py and train.py time). The *floor* column
+not as a timing (benchmarks/attention.py and train.py time). The "gemm / base wall" column
 is the GEMM time alone against SDPA's whole call: no rearrangement of the elementwise work can
 bring a preset below it without changing the products' arithmetic (the matmul rule,
 numerics.arith.matmul: fp32 products of bf16 operands run as fp32 GEMMs on upcast copies on
@@ -30,6 +30,9 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from flashguard.utils.atomic import atomic_write_text
+from flashguard.utils.table import markdown_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention import fwd_bwd, inputs, make_fn  # noqa: E402
@@ -89,21 +92,17 @@ def train_table(names, repeats: int) -> dict:
 
 
 def markdown(title: str, rows: dict, base: str) -> list[str]:
-    lines = [f"### {title}", "", "| config | wall ms | " + " | ".join(KINDS) + " | gemm / base wall |",
-             "|---|" + "---|" * (len(KINDS) + 2)]
     base_wall = rows[base]["wall_ms"] if base in rows else float("nan")
-    for name, r in rows.items():
-        cells = [f"{r['ms'][k]:.1f}" for k in KINDS]
-        lines.append(f"| {name} | {r['wall_ms']:.1f} | " + " | ".join(cells) +
-                     f" | {r['ms']['gemm'] / base_wall:.2f} |")
-    return lines + [""]
+    body = [[name, f"{r['wall_ms']:.1f}", *(f"{r['ms'][k]:.1f}" for k in KINDS), f"{r['ms']['gemm'] / base_wall:.2f}"]
+            for name, r in rows.items()]
+    return [f"### {title}", "", markdown_table(["config", "wall ms", *KINDS, "gemm / base wall"], body), ""]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default=",".join(ATTENTION), help="attention presets (and sdpa)")
     ap.add_argument("--t", type=int, default=1024, help="sequence length of the attention table")
-    ap.add_argument("--repeats", type=int, default=2, help="untimed calls before the profiled one")
+    ap.add_argument("--repeats", type=int, default=2, help="untimed calls before the three profiled ones")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-train", action="store_true", help="skip the training-step table")
     ap.add_argument("--tag", default="", help="name part of the results files (e.g. before, after)")
@@ -122,7 +121,6 @@ def main() -> None:
     text = "\n".join(md)
     print(text)
     stem = RESULTS / f"time-split{'-' + args.tag if args.tag else ''}-{result['threads']}thread"
-    from flashguard.utils.atomic import atomic_write_text
     atomic_write_text(stem.with_suffix(".json"), json.dumps(result, indent=1) + "\n")
     atomic_write_text(stem.with_suffix(".md"), text + "\n")
 
