@@ -19,10 +19,15 @@ fused multiply-add, as the kernel's ``_mm512_fmadd_ps``: the product of two fp32
 exact in fp64, the sum is rounded to odd in fp64 (two more bits than needed), and that
 rounds to fp32 exactly as one rounding would (Boldo & Melquiond, "Emulation of FMA and
 correctly rounded sums: proved algorithms using rounding to odd", 2008).
+
+Both run as one C pass where a C compiler is at hand (numerics/native.py: fp32 tensors on the
+CPU), else in PyTorch as written here; the two agree bit for bit (tests/numerics/test_native.py).
 """
 from __future__ import annotations
 
 import torch
+
+from . import native
 
 __all__ = ["fma32", "fexp_u20", "FEXP_LANES", "EXP_IMPLEMENTATIONS"]
 
@@ -33,8 +38,30 @@ EXP_IMPLEMENTATIONS = ("exact", "fexp_u20")
 _F32, _F64 = torch.float32, torch.float64
 
 
+def _native_inputs(*ts: torch.Tensor):
+    """The C library and the inputs as contiguous fp32 CPU tensors of one broadcast shape, or
+    (None, None) where the C path does not apply."""
+    if not all(t.device.type == "cpu" for t in ts):
+        return None, None
+    lib = native.library()
+    if lib is None:
+        return None, None
+    shape = torch.broadcast_shapes(*(t.shape for t in ts))
+    return lib, [t.to(_F32).expand(shape).contiguous() for t in ts]
+
+
 def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """fp32 ``a * b + c`` with one rounding (round to nearest even), elementwise."""
+    lib, args = _native_inputs(a, b, c)
+    if lib is not None:
+        out = torch.empty_like(args[0])
+        lib.fg_fma32(*(t.data_ptr() for t in args), out.data_ptr(), out.numel())
+        return out
+    return fma32_torch(a, b, c)
+
+
+def fma32_torch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``fma32`` in PyTorch (fp64 passes, any device): the fallback of the C path."""
     p = a.to(_F64) * b.to(_F64)       # exact: 24 + 24 significant bits
     c = c.to(_F64)
     s = p + c
@@ -65,14 +92,24 @@ _B = torch.tensor(2.0 ** 23 * 127, dtype=_F32)
 
 def fexp_u20(x: torch.Tensor) -> torch.Tensor:
     """ATen's AVX-512 ``fexp_u20`` of fp32 ``x``, bit for bit (a new fp32 tensor)."""
+    lib, args = _native_inputs(x)
+    if lib is not None:
+        out = torch.empty_like(args[0])
+        lib.fg_fexp_u20(args[0].data_ptr(), out.data_ptr(), out.numel())
+        return out
+    return fexp_u20_torch(x)
+
+
+def fexp_u20_torch(x: torch.Tensor) -> torch.Tensor:
+    """``fexp_u20`` in PyTorch (any device): the fallback of the C path."""
     x = x.to(_F32)
     dev = x.device
     c0, c1, c2, c3 = (c.to(dev).expand_as(x) for c in _C)
     src = x * _LOG2E.to(dev)
     frac = src - torch.floor(src)
-    poly = fma32(frac, fma32(frac, fma32(frac, c3, c2), c1), c0)
+    poly = fma32_torch(frac, fma32_torch(frac, fma32_torch(frac, c3, c2), c1), c0)
     src = src - poly
-    word = torch.trunc(fma32(_A.to(dev).expand_as(x), src, _B.to(dev).expand_as(x)))  # cvtt: towards 0
+    word = torch.trunc(fma32_torch(_A.to(dev).expand_as(x), src, _B.to(dev).expand_as(x)))  # cvtt: towards 0
     out = torch.nan_to_num(word, nan=0.0).to(torch.int32).view(_F32)
     out = torch.where(x < _LN_FLT_MIN.to(dev), torch.zeros_like(out), out)
     out = torch.where(x > _LN_FLT_MAX.to(dev), torch.full_like(out, float("inf")), out)

@@ -1,0 +1,121 @@
+"""The optional C kernels (numerics/csrc/), compiled on first use; PyTorch is the fallback.
+
+Emulating one fused multiply-add in PyTorch takes about a dozen fp64 elementwise passes
+(``fast_exp.fma32``), and torch's CPU exponential ``fexp_u20`` chains four of them: that chain
+made the ``torch-cpu`` preset 20-30x slower than the kernel it models. In C each is one
+``fmaf``, exact by IEEE 754, in one pass over the data.
+
+``library()`` compiles ``csrc/fast_exp.c`` with the system's C compiler (``$CC``, else ``cc``)
+into a per-user cache, once per source and flags, and loads it with ctypes. Nothing is
+compiled at install time and nothing is required: without a compiler, on a failed build, on
+tensors that are not on the CPU, or with ``FLASHGUARD_NATIVE=0``, the same functions run in
+PyTorch, bit for bit the same (tests/numerics/test_native.py pins one against the other).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["library", "enabled", "status", "cache_dir"]
+
+log = logging.getLogger("flashguard")
+
+_SOURCE = Path(__file__).with_name("csrc") / "fast_exp.c"
+# no FMA contraction: every fused multiply-add in the source is an explicit fmaf
+_FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
+_CLONES = ["-DFG_CLONES"]  # per-CPU variants (x86-64 gcc); tried first, then without
+
+_lib: Optional[ctypes.CDLL] = None
+_tried = False
+_status = "not loaded yet"
+
+
+def enabled() -> bool:
+    """False when ``FLASHGUARD_NATIVE=0`` asks for the PyTorch fallback."""
+    return os.environ.get("FLASHGUARD_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: ``$FLASHGUARD_CACHE``, else ``$XDG_CACHE_HOME/flashguard``,
+    else ``~/.cache/flashguard``."""
+    if os.environ.get("FLASHGUARD_CACHE"):
+        return Path(os.environ["FLASHGUARD_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "flashguard"
+
+
+def status() -> str:
+    """What ``library()`` did: the loaded file, or why the PyTorch fallback is used."""
+    return _status
+
+
+def _compile(out: Path, cc: str, flags: list) -> Optional[str]:
+    """Build into a temporary file and rename it into place (atomic: a concurrent or killed build
+    never leaves a half-written library). Returns the compiler's complaint on failure."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            return (proc.stderr or proc.stdout).strip() or f"{cc} exited with {proc.returncode}"
+        os.replace(tmp, out)
+        return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, n = ctypes.c_void_p, ctypes.c_int64
+    lib.fg_fma32.argtypes = [p, p, p, p, n]
+    lib.fg_fma32.restype = None
+    lib.fg_fexp_u20.argtypes = [p, p, n]
+    lib.fg_fexp_u20.restype = None
+    return lib
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded C library, or None (then the PyTorch fallback runs; ``status()`` says why)."""
+    global _lib, _tried, _status
+    if not enabled():
+        _status = "disabled by FLASHGUARD_NATIVE=0"
+        return None
+    if _tried:
+        return _lib
+    _tried = True
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        _status = f"no C compiler ({cc!r} not found): PyTorch fallback"
+        log.info("flashguard: %s", _status)
+        return None
+    source = _SOURCE.read_bytes()
+    errors = []
+    for flags in (_FLAGS + _CLONES, _FLAGS):
+        key = hashlib.sha256(source + " ".join([cc, *flags, sys.platform]).encode()).hexdigest()[:16]
+        path = cache_dir() / f"fast_exp-{key}.so"
+        if not path.exists():
+            err = _compile(path, cc, flags)
+            if err is not None:
+                errors.append(err)
+                continue
+        try:
+            _lib = _declare(ctypes.CDLL(str(path)))
+            _status = f"loaded {path}"
+            return _lib
+        except (OSError, AttributeError) as exc:
+            errors.append(str(exc))
+    _status = "C build failed, PyTorch fallback: " + (errors[-1] if errors else "unknown")
+    log.warning("flashguard: %s", _status)
+    return None
