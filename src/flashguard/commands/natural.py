@@ -16,11 +16,18 @@ def _options(p) -> None:
     p.add_argument("--runs", nargs="+", metavar="ARM=DIR",
                    help="ARM=DIR,ARM=DIR,...: run folders to analyse, nothing trained (arms not given are "
                         "'not run'; an unfinished run is judged on what it has)")
+    p.add_argument("--arms", metavar="ARM,ARM",
+                   help="train only these arms (comma-separated; default: all), e.g. to train two arms in two "
+                        "processes with the same --out; the results judge every arm found under OUT/runs/")
 
 
 def _arguments(args, preset) -> dict:
     from ..experiments.natural import parse_runs
-    return {"runs": parse_runs(args.runs, preset) if args.runs is not None else None}
+    if args.runs is not None and args.arms is not None:
+        raise ValueError("--arms chooses arms to train; --runs analyses finished folders and trains nothing: "
+                         "give one of them")
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms is not None else None
+    return {"runs": parse_runs(args.runs, preset) if args.runs is not None else None, "arms": arms}
 
 
 def _report(result: dict, out: str) -> None:

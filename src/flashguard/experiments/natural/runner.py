@@ -103,10 +103,23 @@ def _check_given(runs: dict[str, Path], preset: NaturalPreset) -> None:
         raise ValueError("--runs: " + "; ".join(wrong))
 
 
+def _chosen_arms(preset: NaturalPreset, arms) -> list:
+    """The preset's arms named by ``arms`` (None: all), in the preset's order."""
+    if arms is None:
+        return list(preset.arms)
+    names = {a.name for a in preset.arms}
+    unknown = [a for a in arms if a not in names]
+    if unknown or not arms:
+        raise ValueError(f"--arms: {'unknown arm(s) ' + ', '.join(unknown) if unknown else 'no arm given'}; "
+                         f"the arms of preset {preset.name!r}: {', '.join(a.name for a in preset.arms)}")
+    return [a for a in preset.arms if a.name in arms]
+
+
 def run_natural(preset: NaturalPreset, out: str | Path, *, runs: dict | None = None, steps: int | None = None,
-                overrides=(), progress: bool = True, log=print) -> dict:
-    """Mode (a) (``runs`` None): train every arm under OUT/runs/<arm>/, then judge. Mode (b)
-    (``runs`` = {arm: DIR}): judge those folders, training nothing. Returns the result written."""
+                overrides=(), arms=None, progress: bool = True, log=print) -> dict:
+    """Mode (a) (``runs`` None): train every arm (or those named in ``arms``) under
+    OUT/runs/<arm>/, then judge every arm found there. Mode (b) (``runs`` = {arm: DIR}): judge
+    those folders, training nothing. Returns the result written."""
     check_steps(steps)
     out = Path(out)
     steps = steps or preset.steps
@@ -124,14 +137,15 @@ def run_natural(preset: NaturalPreset, out: str | Path, *, runs: dict | None = N
         result = _write(out, preset, steps, runs, mode="analyse", common=None)
         result["wall_s"] = time.perf_counter() - t0
         return result
+    chosen = _chosen_arms(preset, arms)
     _check_overrides(overrides)
     base = preset.config_path()
     common = common_overrides(preset, progress, overrides)
     for a in preset.arms:  # every arm's config must load before anything trains
         load_config(base, [*common, *a.overrides, f"train.steps={steps}"])
     dirs = {a.name: out / "runs" / a.name for a in preset.arms}
-    for i, a in enumerate(preset.arms, 1):
-        log(f"[{i}/{len(preset.arms)}] {a.name}: {a.label} ({' '.join(a.overrides)})")
+    for i, a in enumerate(chosen, 1):
+        log(f"[{i}/{len(chosen)}] {a.name}: {a.label} ({' '.join(a.overrides)})")
         if train_run(RunSpec(a.name, "natural", a.label, a.overrides), base, common, steps, dirs[a.name], log):
             _write(out, preset, steps, dirs, mode="train", common=common)  # survives an interrupt
     result = _write(out, preset, steps, dirs, mode="train", common=common)
