@@ -145,3 +145,24 @@ def test_arithmetic_holds_flash_options():
                                            softcap=2.0)
     assert torch.equal(a.o, b.o) and torch.equal(a.dq, b.dq) and torch.equal(a.o_ref, b.o_ref)
     assert a.label == "paper / safe 4x4 softcap=2" and b.label == "paper / safe 4x4"
+
+
+@pytest.mark.parametrize("arith", ["paper", "black box"])
+def test_grads_dq_measures_dq_alone_and_the_same(arith):
+    """grads="dq" (what the probes ask): dQ and its reference bit for bit as with all three
+    gradients, dK and dV not measured; a bad value is named."""
+    q, k, v, do = _inputs(2, 2, 70, 70, 24, seed=11, dtype=torch.bfloat16)
+
+    def sdpa_math(q_, k_, v_):
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q_, k_, v_, is_causal=True)
+
+    a = Arithmetic.of("paper", block_q=32, block_k=32) if arith == "paper" else sdpa_math
+    full = trace(q, k, v, do, a, causal=True)
+    only = trace(q, k, v, do, a, causal=True, grads="dq")
+    assert torch.equal(only.dq, full.dq) and torch.equal(only.dq_ref, full.dq_ref)
+    assert torch.equal(only.o, full.o) and torch.equal(only.delta_ref, full.delta_ref)
+    assert only.dk is None and only.dv is None and only.dk_ref is None and only.dv_ref is None
+    assert full.dk_ref is not None and full.dv is not None
+    with pytest.raises(ValueError, match="grads must be True, False or 'dq'"):
+        trace(q, k, v, do, a, causal=True, grads="dk")

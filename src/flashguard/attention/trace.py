@@ -209,16 +209,31 @@ class _TieCounter:
         c.multi_one[..., rows] += n_one >= 2
 
 
+_GRADS = {True: ("dq", "dk", "dv"), "dq": ("dq",), False: ()}
+
+
+def _wanted_grads(grads) -> tuple:
+    """The gradients ``grads`` asks for: True all three, "dq" dQ only, False none."""
+    try:
+        return _GRADS[grads]
+    except (KeyError, TypeError):
+        raise ValueError(f"trace: grads must be True, False or 'dq', got {grads!r}") from None
+
+
 def _reference(q, k, v, do, *, attn_mask, causal, scale, softcap, grads):
-    """fp64 O, lse, delta and (with grads) dQ, dK, dV of reference_attention, chunked over the
-    batch so that the score matrices stay bounded."""
+    """fp64 O, lse, delta and (with grads) dQ, dK, dV of reference_attention (only dQ for
+    grads="dq"), chunked over the batch so that the score matrices stay bounded."""
     B = q.shape[0]
     per_batch = max(1, q[0].numel() // q.shape[-1] * k.shape[-2])
     step = max(1, _REF_CHUNK_ENTRIES // per_batch)
     outs = {n: [] for n in ("o", "lse", "delta", "dq", "dk", "dv")}
+    wanted = _wanted_grads(grads)
     for b0 in range(0, B, step):
         sl = slice(b0, b0 + step)
-        leaves = [t[sl].detach().to(torch.float64).requires_grad_(grads) for t in (q, k, v)]
+        # only the leaves whose gradient is wanted require one: autograd then skips the others'
+        # products (dK = dS^T Q and dV = P^T dO for grads="dq")
+        leaves = [t[sl].detach().to(torch.float64).requires_grad_(n in wanted)
+                  for n, t in zip(("dq", "dk", "dv"), (q, k, v))]
         mask = None
         if attn_mask is not None:
             mask = attn_mask if attn_mask.shape[0] == 1 else attn_mask[sl]
@@ -228,8 +243,9 @@ def _reference(q, k, v, do, *, attn_mask, causal, scale, softcap, grads):
             if do is not None:
                 do64 = do[sl].to(torch.float64)
                 outs["delta"].append((do64 * o.detach()).sum(-1))
-                if grads:
-                    for name, g in zip(("dq", "dk", "dv"), torch.autograd.grad(o, leaves, do64)):
+                if wanted:
+                    needed = [t for t in leaves if t.requires_grad]
+                    for name, g in zip(wanted, torch.autograd.grad(o, needed, do64)):
                         outs[name].append(g)
         outs["o"].append(o.detach())
         outs["lse"].append(lse.detach())
@@ -270,26 +286,27 @@ def _run_arithmetic(a: Arithmetic, q, k, v, do, *, attn_mask, causal, scale, gra
                 # what training hands on: the gradients in the dtype the inputs had
                 dq, dk, dv = run_backward(fwd, fwd.do, opts, keep=keep, bias=bias, causal=causal, scale=scale,
                                           dtypes=(q.dtype, k.dtype, v.dtype))
-                out.update(dq=dq, dk=dk, dv=dv)
+                out.update(dq=dq, **({} if grads == "dq" else dict(dk=dk, dv=dv)))
     return out
 
 
 def _black_box(fn, q, k, v, do, grads):
-    leaves = [t.detach().requires_grad_(grads and do is not None) for t in (q, k, v)]
-    with torch.enable_grad() if grads and do is not None else torch.no_grad():
+    wanted = _wanted_grads(grads) if do is not None else ()
+    leaves = [t.detach().requires_grad_(n in wanted) for n, t in zip(("dq", "dk", "dv"), (q, k, v))]
+    with torch.enable_grad() if wanted else torch.no_grad():
         o = fn(*leaves)
         if not isinstance(o, torch.Tensor) or o.shape[:-1] != q.shape[:-1]:
             raise ValueError(f"the attention callable must return a tensor of shape (B, H, T_q, D_v) = "
                              f"{tuple(q.shape[:-1])} + (D_v,), got {getattr(o, 'shape', type(o).__name__)}")
-        g = (None, None, None)
-        if grads and do is not None:
-            g = torch.autograd.grad(o, leaves, do.to(o.dtype))
-    return o.detach(), g
+        g = {}
+        if wanted:
+            g = dict(zip(wanted, torch.autograd.grad(o, [t for t in leaves if t.requires_grad], do.to(o.dtype))))
+    return o.detach(), tuple(g.get(n) for n in ("dq", "dk", "dv"))
 
 
 def trace(q, k, v, do=None, arithmetic: "Arithmetic | FlashOptions | str | object" = DEFAULT_PRECISION, *,
           causal: bool = False, scale: float | None = None, attn_mask: torch.Tensor | None = None,
-          softcap: float | None = None, grads: bool = True, label: str | None = None) -> Trace:
+          softcap: float | None = None, grads: "bool | str" = True, label: str | None = None) -> Trace:
     """Run ``arithmetic`` on (q, k, v) and, given ``do``, its backward; compare with fp64.
 
     q: (B, H, T_q, D), k: (B, H, T_k, D), v: (B, H, T_k, D_v), do: (B, H, T_q, D_v) or None.
@@ -298,8 +315,11 @@ def trace(q, k, v, do=None, arithmetic: "Arithmetic | FlashOptions | str | objec
     (a black box; ``causal``, ``attn_mask``, ``scale`` and ``softcap`` are then only given to the
     reference, so the callable must apply the same ones). ``softcap``: None = the arithmetic's
     own; given, it is the arithmetic's (ValueError where the arithmetic has another).
-    ``grads=False`` skips the gradients (delta is still measured given ``do``).
+    ``grads=False`` skips the gradients (delta is still measured given ``do``); ``grads="dq"``
+    measures dQ only (the fp64 reference and a black box then skip dK and dV; a flash
+    arithmetic's backward computes all three, and dK, dV are left out of the trace).
     """
+    _wanted_grads(grads)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4 or not t.is_floating_point():
             raise ValueError(f"trace: {name} must be a floating (B, H, T, D) tensor, got "
@@ -333,7 +353,7 @@ def trace(q, k, v, do=None, arithmetic: "Arithmetic | FlashOptions | str | objec
                         f"got {type(arithmetic).__name__}")
     qi, ki, vi, doi = got["inputs"]
     ref = _reference(qi, ki, vi, doi, attn_mask=attn_mask, causal=causal, scale=scale, softcap=softcap,
-                     grads=grads and do is not None)
+                     grads=grads if do is not None else False)
 
     def f64(x, squeeze=False):
         if x is None:

@@ -253,7 +253,7 @@ def _policy_trace(cap: LayerCapture, policy, stab, scale: float, grad: bool):
     """The trace of the layer's flash arithmetic (kernel and tiles as it trains) and that arithmetic."""
     arith = _trained_arithmetic(cap, policy, stab)
     t = trace(cap.q, cap.k, cap.v, cap.do, arith, causal=cap.causal, scale=scale, softcap=cap.softcap,
-              grads=grad)
+              grads="dq" if grad else False)
     if t.ties is None:  # the triton kernel does not expose its tiles' maxima: count them on the
         # PyTorch path with the same policy, stabilizer and tiles (forward only)
         counted = trace(cap.q, cap.k, cap.v, None, arith.replace(kernel="pytorch"),
@@ -278,7 +278,7 @@ def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = T
         if policy is None and cap.backend == "sdpa":
             kernel = KERNEL_LABEL
             t = trace(cap.q, cap.k, cap.v, cap.do, kernel_call(cap), causal=cap.causal, scale=scale,
-                      softcap=cap.softcap, grads=grad, label=kernel)
+                      softcap=cap.softcap, grads="dq" if grad else False, label=kernel)
             q_in, k_in, v_in, _ = t.inputs
             lse = t.lse_ref
         elif policy is None:
