@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from flashguard.attention import flash_attention, reference_attention
+from flashguard.numerics import native
 
 B, H, D = 2, 12, 64
 PRESETS = ["fp32", "paper", "fa2"]
@@ -179,7 +180,7 @@ def main() -> None:
         results[t]["checks"] = dict(checks)
     if args.json:
         with open(args.json + ".tmp", "w") as f:
-            json.dump({"torch": torch.__version__, "threads": torch.get_num_threads(), "results": results}, f, indent=1)
+            json.dump({"torch": torch.__version__, "native": native.status(), "threads": torch.get_num_threads(), "results": results}, f, indent=1)
         os.replace(args.json + ".tmp", args.json)
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashguard import flash_attention
+from flashguard.numerics import native
 
 B, H, D = 2, 12, 64
 
@@ -55,7 +56,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json")
     args = ap.parse_args()
-    out = {"torch": torch.__version__, "threads": torch.get_num_threads(), "shape": [B, H, None, D], "sizes": {}}
+    out = {"torch": torch.__version__, "native": native.status(), "threads": torch.get_num_threads(), "shape": [B, H, None, D], "sizes": {}}
     for t in (int(x) for x in args.sizes.split(",")):
         g = torch.Generator().manual_seed(0)
         q, k, v, do = (torch.randn(B, H, t, D, generator=g).bfloat16() for _ in range(4))
