@@ -84,7 +84,9 @@ def other_rows(train: dict | None, diag: dict | None, scaling: dict | None, spli
     return [
         ["tiny-cpu training, flash + fa2 >= 0.9x SDPA tokens/s", _fmt(fa2, "x"), _verdict(fa2, 0.9, False),
          step_floor],
-        ["a probe step <= 2 plain steps", _fmt(probe, " steps"), _verdict(probe, 2.0, True), "-"],
+        ["a probe step <= 2 plain steps", _fmt(probe, " steps"), _verdict(probe, 2.0, True),
+         f"{diag['reference_in_plain_steps']:.2f} steps (the fp64 reference's forward and dQ alone)"
+         if diag and "reference_in_plain_steps" in diag else "-"],
         ["attention memory O(T) (log-log slope of peak memory, T >= 1024)",
          "-" if slope is None else f"flash presets {slope['flash_min']:.2f}-{slope['flash_max']:.2f} "
                                    f"(sdpa {slope['sdpa']:.2f}, math {slope['math']:.2f})",
