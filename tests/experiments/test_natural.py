@@ -378,6 +378,9 @@ def test_smoke_run_trains_every_arm_resumable_then_analyses_them(tiny_data, tmp_
     (["model.n_layer=2", "--runs", "paper=/x"], ("--runs", "model.n_layer=2")),   # no overrides with --runs
     (["--runs", "paper=/x", "model.n_layer=2"], ("--runs", "'model.n_layer'")),  # --runs takes the rest
     (["attention.block_q=0"], ("attention.block_q",)),   # any bad override: refused before anything trains
+    (["--arms", "fp32,nope"], ("--arms", "'nope'", "paper-fix")),   # the arm, and the preset's arms
+    (["--arms", " , "], ("--arms", "no arm given")),
+    (["--arms", "fp32", "--runs", "fp32=/x"], ("--arms", "--runs")),  # train or analyse, not both
 ])
 def test_bad_natural_arguments_name_the_problem(tiny_data, tmp_path, capsys, args, msg):
     code = cli_exit(["natural", "--preset", "natural-smoke", "--out", str(tmp_path / "x"),
@@ -387,3 +390,15 @@ def test_bad_natural_arguments_name_the_problem(tiny_data, tmp_path, capsys, arg
     err = capsys.readouterr().err
     assert code == 2 and all(m in err for m in msg), err
     assert not (tmp_path / "x" / "runs").exists()
+
+
+def test_arms_trains_only_the_named_arms_and_judges_what_is_there(tiny_data, tmp_path, capsys):
+    out = tmp_path / "two"
+    data = [f'data.dir="{tiny_data}"']
+    assert main(["natural", "--preset", "natural-smoke", "--arms", "paper,fp32", "--out", str(out), *data]) == 0
+    assert sorted(p.name for p in (out / "runs").iterdir()) == ["fp32", "paper"]
+    saved = json.loads((out / "natural.json").read_text())
+    status = {o["arm"]: o["status"] for o in saved["outcomes"]}
+    assert status["fp32"] in ("done", "diverged") and status["paper"] in ("done", "diverged")
+    assert status["paper-fix"] == status["paper-fp32fwd"] == "missing"
+    assert "[1/2] fp32" in capsys.readouterr().out   # the preset's order, whatever the order given

@@ -110,7 +110,7 @@ def _chosen_arms(preset: NaturalPreset, arms) -> list:
     names = {a.name for a in preset.arms}
     unknown = [a for a in arms if a not in names]
     if unknown or not arms:
-        raise ValueError(f"--arms: {'unknown arm(s) ' + ', '.join(unknown) if unknown else 'no arm given'}; "
+        raise ValueError(f"--arms: {'unknown arm(s) ' + ', '.join(map(repr, unknown)) if unknown else 'no arm given'}; "
                          f"the arms of preset {preset.name!r}: {', '.join(a.name for a in preset.arms)}")
     return [a for a in preset.arms if a.name in arms]
 
