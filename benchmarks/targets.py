@@ -7,7 +7,9 @@ benchmarks wrote. Nothing is timed here.
 
 Reads (one thread): attention-cpu-1thread.json (benchmarks/attention.py --reference ...),
 time-split-1thread.json (time_split.py), train-cpu-1thread.json (train.py), diagnostics-cpu-
-1thread.json (diagnostics.py) and scaling-cpu-1thread.json (scaling.py). A missing file leaves
+1thread.json (diagnostics.py), scaling-cpu-1thread.json (scaling.py), and the C kernels' before
+and after: time-split-torch-cpu-{before,after}-1thread.json (time_split.py --tag, the first with
+FLASHGUARD_NATIVE=0). A missing file leaves
 its targets "not measured". A target a CPU cannot meet is shown with its measured limit: the
 GEMM time alone (time_split.py), which no rearrangement of the elementwise work goes below.
 """
@@ -98,7 +100,29 @@ def _fmt(x, unit: str) -> str:
     return "-" if x is None else f"{x:.2f}{unit}"
 
 
-def results_markdown(rows: list[list[str]], sources: dict) -> str:
+def before_after(before: dict | None, after: dict | None, base: str = "sdpa") -> list[str]:
+    """A change's before/after section from two time_split.py runs of the attention table (tags
+    ``torch-cpu-before``, run with FLASHGUARD_NATIVE=0, and ``torch-cpu-after``): each config's
+    wall ms and its ratio to SDPA measured in the same run, and the speed-up."""
+    if not before or not after:
+        return []
+    b, a = before["attention"], after["attention"]
+    rows = []
+    for name in a:
+        if name in b:
+            rows.append([name, f"{b[name]['wall_ms']:.0f} ms ({b[name]['wall_ms'] / b[base]['wall_ms']:.2f}x)",
+                         f"{a[name]['wall_ms']:.0f} ms ({a[name]['wall_ms'] / a[base]['wall_ms']:.2f}x)",
+                         f"{b[name]['wall_ms'] / a[name]['wall_ms']:.2f}x"])
+    return ["## Before and after: the C kernels (numerics/native.py)", "",
+            f"Attention forward+backward, B 2, H 12, T {after['t']}, D 64, bf16, causal, one thread "
+            "(time_split.py: the mean of three profiled calls; in brackets the ratio to SDPA in the same run). "
+            f"Before: `FLASHGUARD_NATIVE=0` ({before.get('native', '?')}); after: {after.get('native', '?')}. "
+            "Only `torch-cpu` (fexp_u20) and the GPU presets' exp2 steps (fma32) use them; the outputs are "
+            "bit-identical (tests/numerics/test_native.py).", "",
+            markdown_table(["config", "before", "after", "speed-up"], rows), ""]
+
+
+def results_markdown(rows: list[list[str]], sources: dict, sections: list[str] = ()) -> str:
     have = ", ".join(n for n, d in sources.items() if d is not None) or "none"
     return "\n".join([
         "# Speed targets on CPU (one thread)", "",
@@ -109,7 +133,7 @@ def results_markdown(rows: list[list[str]], sources: dict) -> str:
         "elementwise work can meet it without changing the products' arithmetic: on CPU, fp32 "
         "products of bf16 operands run as fp32 GEMMs on upcast copies, since torch's CPU bmm has "
         "no bf16-in / fp32-out form).", "",
-        markdown_table(["target", "measured", "verdict", "limit"], rows), ""])
+        markdown_table(["target", "measured", "verdict", "limit"], rows), "", *sections])
 
 
 def readme_lines(sources: dict) -> str:
@@ -124,6 +148,12 @@ def readme_lines(sources: dict) -> str:
         t = train["median_tokens_per_s"]
         out.append("- tiny-cpu training, one thread: " + ", ".join(f"{k} {v:,.0f}" for k, v in t.items()) +
                    " tokens/s.")
+    before, after = sources.get("torch-cpu before"), sources.get("torch-cpu after")
+    if before and after and "torch-cpu" in after["attention"] and "torch-cpu" in before["attention"]:
+        b, a = before["attention"], after["attention"]
+        out.append(f"- `torch-cpu` (the model of torch's CPU kernel) forward+backward at that size: "
+                   f"{a['torch-cpu']['wall_ms'] / a['sdpa']['wall_ms']:.1f}x SDPA with the C kernels, "
+                   f"{b['torch-cpu']['wall_ms'] / b['sdpa']['wall_ms']:.1f}x in their PyTorch fallback.")
     if diag:
         out.append(f"- A probe of every layer costs {diag['probe_in_plain_steps']:.1f} plain steps "
                    f"({100 * diag['implied_overhead']['50']:.0f} % at `diagnostics_every=50`).")
@@ -137,10 +167,12 @@ def main() -> int:
     args = ap.parse_args()
     sources = {"attention": _load("attention-cpu-1thread.json"), "time split": _load("time-split-1thread.json"),
                "train": _load("train-cpu-1thread.json"), "diagnostics": _load("diagnostics-cpu-1thread.json"),
-               "scaling": _load("scaling-cpu-1thread.json")}
+               "scaling": _load("scaling-cpu-1thread.json"),
+               "torch-cpu before": _load("time-split-torch-cpu-before-1thread.json"),
+               "torch-cpu after": _load("time-split-torch-cpu-after-1thread.json")}
     rows = attention_rows(sources["attention"], sources["time split"]) + \
         other_rows(sources["train"], sources["diagnostics"], sources["scaling"], sources["time split"])
-    results = results_markdown(rows, sources)
+    results = results_markdown(rows, sources, before_after(sources["torch-cpu before"], sources["torch-cpu after"]))
     readme = README.read_text()
     if START not in readme or END not in readme:
         raise SystemExit(f"README.md has no {START} ... {END} block for the performance lines")
