@@ -59,7 +59,7 @@ def _experiments() -> dict:
     return {"repro": (PRESETS, trains | {"--claims", "--remedies"}),
             "injection": (INJECTION_PRESETS, trains | {"--seeds"}),
             "lr-sensitivity": (LR_PRESETS, trains | {"--seeds"}),
-            "natural": (NATURAL_PRESETS, trains | {"--runs"}),
+            "natural": (NATURAL_PRESETS, trains | {"--runs", "--arms"}),
             "early-warning": ({}, {"--runs", "--out"}),
             "edge": (EDGE_PRESETS, trains | {"--seeds"})}
 
