@@ -22,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 import threading
 import time
 
@@ -29,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from flashguard.attention import flash_attention, reference_attention
-from flashguard.numerics import native
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, however this file is loaded
+from machine import machine  # noqa: E402
 
 B, H, D = 2, 12, 64
 PRESETS = ["fp32", "paper", "fa2"]
@@ -180,7 +182,7 @@ def main() -> None:
         results[t]["checks"] = dict(checks)
     if args.json:
         with open(args.json + ".tmp", "w") as f:
-            json.dump({"torch": torch.__version__, "native": native.status(), "threads": torch.get_num_threads(), "results": results}, f, indent=1)
+            json.dump({"torch": torch.__version__, "machine": machine(), "threads": torch.get_num_threads(), "results": results}, f, indent=1)
         os.replace(args.json + ".tmp", args.json)
 
 

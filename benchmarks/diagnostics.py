@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,8 +30,9 @@ import torch
 from flashguard import keys
 from flashguard.diagnostics import DEFAULT_EVERY, TrainerDiagnostics
 from flashguard.model import GPT, model_config
-from flashguard.numerics import native
 from flashguard.train.config import load_config
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, however this file is loaded
+from machine import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,7 +120,7 @@ def main() -> None:
     from flashguard.utils.atomic import atomic_write_text
     path = ROOT / "benchmarks" / "results" / f"diagnostics-cpu-{torch.get_num_threads()}thread.json"
     atomic_write_text(path, json.dumps({
-        "torch": torch.__version__, "native": native.status(), "threads": torch.get_num_threads(), "batch": args.batch, "every": args.every,
+        "torch": torch.__version__, "machine": machine(), "threads": torch.get_num_threads(), "batch": args.batch, "every": args.every,
         "steps_per_round": steps, "rounds": args.rounds, "layers": layers, "precision": spec.short_str(),
         "round_s": totals, "plain_step_s": step_s, "probe_s": probe_s, "probe_cost_s": cost,
         "probe_in_plain_steps": cost / step_s, "measured_overhead": ratio - 1,

@@ -36,6 +36,7 @@ import argparse
 import importlib.util
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -44,7 +45,8 @@ import torch
 from flashguard.numerics.policy import GPU_PRESETS, POLICIES
 from flashguard.utils.atomic import atomic_write_json, atomic_write_text
 from flashguard.utils.table import markdown_table
-from flashguard.numerics import native
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, however this file is loaded
+from machine import machine  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 T_SIZES = (256, 512, 1024, 2048, 4096, 8192)
@@ -324,7 +326,7 @@ def main(argv=None) -> dict:
     print(f"torch {torch.__version__}, {threads} thread(s), CPU {torch.backends.cpu.get_cpu_capability()}; "
           f"configs: {', '.join(configs)}" + (f"; not run: {', '.join(skipped)}" if skipped else ""))
     grid = run_grid(configs, opts)
-    result = {"torch": torch.__version__, "native": native.status(), "threads": threads, "cpu": torch.backends.cpu.get_cpu_capability(),
+    result = {"torch": torch.__version__, "machine": machine(), "threads": threads, "cpu": torch.backends.cpu.get_cpu_capability(),
               "shape": {"B": opts.batch, "H": opts.heads, "dtype": "bfloat16", "causal": True,
                         "pass": "forward+backward"},
               "t_sweep_d": opts.t_sweep_d, "d_sweep_t": opts.d_sweep_t, "repeats": opts.repeats,

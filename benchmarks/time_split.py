@@ -33,9 +33,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from flashguard.utils.atomic import atomic_write_text
 from flashguard.utils.table import markdown_table
-from flashguard.numerics import native
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine  # noqa: E402
 from attention import fwd_bwd, inputs, make_fn  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="name part of the results files (e.g. before, after)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    result = {"torch": torch.__version__, "native": native.status(), "threads": torch.get_num_threads(), "t": args.t,
+    result = {"torch": torch.__version__, "machine": machine(), "threads": torch.get_num_threads(), "t": args.t,
               "attention": attention_table(args.presets.split(","), args.t, args.repeats)}
     if not args.no_train:
         result["train"] = train_table(TRAIN, args.repeats)

@@ -14,14 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashguard import flash_attention
-from flashguard.numerics import native
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/machine.py, however this file is loaded
+from machine import machine  # noqa: E402
 
 B, H, D = 2, 12, 64
 
@@ -56,7 +59,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json")
     args = ap.parse_args()
-    out = {"torch": torch.__version__, "native": native.status(), "threads": torch.get_num_threads(), "shape": [B, H, None, D], "sizes": {}}
+    out = {"torch": torch.__version__, "machine": machine(), "threads": torch.get_num_threads(), "shape": [B, H, None, D], "sizes": {}}
     for t in (int(x) for x in args.sizes.split(",")):
         g = torch.Generator().manual_seed(0)
         q, k, v, do = (torch.randn(B, H, t, D, generator=g).bfloat16() for _ in range(4))

@@ -134,12 +134,12 @@ def table(args) -> None:
         print(f"{name:<18}{med:>10.0f}{med / base:>8.2f}")
     ok = statistics.median(rates["flash+fa2"]) / base >= 0.9
     print(f"  {'PASS' if ok else 'MISS'}  flash + fa2 >= 0.9x sdpa")
-    from flashguard.numerics import native
+    from machine import machine
     from flashguard.utils.atomic import atomic_write_text
     path = Path(args.json) if args.json else REPO / "benchmarks" / "results" / \
         f"train-cpu-{torch.get_num_threads()}thread.json"
     atomic_write_text(path, json.dumps({
-        "torch": torch.__version__, "native": native.status(), "threads": torch.get_num_threads(), "batch": args.batch,
+        "torch": torch.__version__, "machine": machine(), "threads": torch.get_num_threads(), "batch": args.batch,
         "block_size": cfg.block_size, "steps": steps, "rounds": rounds, "tokens_per_s": rates,
         "median_tokens_per_s": {n: statistics.median(r) for n, r in rates.items()},
         "x_sdpa": {n: statistics.median(r) / base for n, r in rates.items()}}, indent=1) + "\n")

@@ -1,0 +1,28 @@
+"""What a benchmark ran on, recorded in its JSON: ratios measured on one machine are not moved
+to another (bf16 GEMMs run AMX, AVX512-BF16 or AVX2 kernels by the CPU oneDNN finds)."""
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+from flashguard.numerics import native
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux, else what platform knows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine() -> dict:
+    """The CPU, its cores, torch's vector capability, torch's version and the C kernels' status."""
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "native": native.status()}
