@@ -23,6 +23,8 @@ def cpu_model() -> str:
 
 
 def machine() -> dict:
-    """The CPU, its cores, torch's vector capability, torch's version and the C kernels' status."""
+    """The CPU, its cores, torch's vector capability, torch's version and the C kernels' status
+    (loaded here if they can be, so that the status says whether the run could use them)."""
+    native.library()
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "native": native.status()}

@@ -8,8 +8,8 @@ benchmarks wrote. Nothing is timed here.
 Reads (one thread): attention-cpu-1thread.json (benchmarks/attention.py --reference ...),
 time-split-1thread.json (time_split.py), train-cpu-1thread.json (train.py), diagnostics-cpu-
 1thread.json (diagnostics.py), scaling-cpu-1thread.json (scaling.py), and the C kernels' before
-and after: time-split-torch-cpu-{before,after}-1thread.json (time_split.py --tag, the first with
-FLASHGUARD_NATIVE=0). A missing file leaves
+and after: time-split-torch-cpu-1thread.json (time_split.py --tag torch-cpu, with torch-cpu~fallback
+beside torch-cpu). A missing file leaves
 its targets "not measured". A target a CPU cannot meet is shown with its measured limit: the
 GEMM time alone (time_split.py), which no rearrangement of the elementwise work goes below.
 """
@@ -100,26 +100,24 @@ def _fmt(x, unit: str) -> str:
     return "-" if x is None else f"{x:.2f}{unit}"
 
 
-def before_after(before: dict | None, after: dict | None, base: str = "sdpa") -> list[str]:
-    """A change's before/after section from two time_split.py runs of the attention table (tags
-    ``torch-cpu-before``, run with FLASHGUARD_NATIVE=0, and ``torch-cpu-after``): each config's
-    wall ms and its ratio to SDPA measured in the same run, and the speed-up."""
-    if not before or not after:
+def before_after(split: dict | None, name: str = "torch-cpu", base: str = "sdpa") -> list[str]:
+    """The C kernels' before/after section from one time_split.py run of the attention table
+    (tag ``torch-cpu``) holding ``NAME~fallback`` (FLASHGUARD_NATIVE=0) and ``NAME``: each
+    config's wall ms, its ratio to SDPA in that run, and the speed-up."""
+    rows_in = _split(split, "attention")
+    before, after = rows_in.get(name + "~fallback"), rows_in.get(name)
+    if not before or not after or base not in rows_in:
         return []
-    b, a = before["attention"], after["attention"]
-    rows = []
-    for name in a:
-        if name in b:
-            rows.append([name, f"{b[name]['wall_ms']:.0f} ms ({b[name]['wall_ms'] / b[base]['wall_ms']:.2f}x)",
-                         f"{a[name]['wall_ms']:.0f} ms ({a[name]['wall_ms'] / a[base]['wall_ms']:.2f}x)",
-                         f"{b[name]['wall_ms'] / a[name]['wall_ms']:.2f}x"])
+    b = rows_in[base]["wall_ms"]
+    rows = [[n, f"{r['wall_ms']:.0f} ms", f"{r['wall_ms'] / b:.2f}x"] for n, r in rows_in.items()]
     return ["## Before and after: the C kernels (numerics/native.py)", "",
-            f"Attention forward+backward, B 2, H 12, T {after['t']}, D 64, bf16, causal, one thread "
-            "(time_split.py: the mean of three profiled calls; in brackets the ratio to SDPA in the same run). "
-            f"Before: `FLASHGUARD_NATIVE=0` ({before.get('native', '?')}); after: {after.get('native', '?')}. "
-            "Only `torch-cpu` (fexp_u20) and the GPU presets' exp2 steps (fma32) use them; the outputs are "
-            "bit-identical (tests/numerics/test_native.py).", "",
-            markdown_table(["config", "before", "after", "speed-up"], rows), ""]
+            f"Attention forward+backward, B 2, H 12, T {split['t']}, D 64, bf16, causal, one thread, one run "
+            f"(time_split.py: the mean of three profiled calls per config; `{name}~fallback` ran with "
+            f"FLASHGUARD_NATIVE=0, the PyTorch fallback; the C kernels: {split['machine']['native']}). "
+            f"`{name}`: **{before['wall_ms'] / after['wall_ms']:.1f}x faster** with them. Only `torch-cpu` "
+            "(fexp_u20) and the GPU presets' exp2 steps (fma32) use them, with bit-identical outputs "
+            "(tests/numerics/test_native.py, tests/train/test_loss_hash.py).", "",
+            markdown_table(["config", "wall ms", "x SDPA"], rows), ""]
 
 
 def results_markdown(rows: list[list[str]], sources: dict, sections: list[str] = ()) -> str:
@@ -162,12 +160,11 @@ def readme_lines(sources: dict) -> str:
         t = train["median_tokens_per_s"]
         out.append("- tiny-cpu training, one thread: " + ", ".join(f"{k} {v:,.0f}" for k, v in t.items()) +
                    " tokens/s.")
-    before, after = sources.get("torch-cpu before"), sources.get("torch-cpu after")
-    if before and after and "torch-cpu" in after["attention"] and "torch-cpu" in before["attention"]:
-        b, a = before["attention"], after["attention"]
+    tc = _split(sources.get("torch-cpu split"), "attention")
+    if {"sdpa", "torch-cpu", "torch-cpu~fallback"} <= tc.keys():
         out.append(f"- `torch-cpu` (the model of torch's CPU kernel) forward+backward at that size: "
-                   f"{a['torch-cpu']['wall_ms'] / a['sdpa']['wall_ms']:.1f}x SDPA with the C kernels, "
-                   f"{b['torch-cpu']['wall_ms'] / b['sdpa']['wall_ms']:.1f}x in their PyTorch fallback.")
+                   f"{tc['torch-cpu']['wall_ms'] / tc['sdpa']['wall_ms']:.1f}x SDPA with the C kernels, "
+                   f"{tc['torch-cpu~fallback']['wall_ms'] / tc['sdpa']['wall_ms']:.1f}x in their PyTorch fallback.")
     if diag:
         out.append(f"- A probe of every layer costs {diag['probe_in_plain_steps']:.1f} plain steps "
                    f"({100 * diag['implied_overhead']['50']:.0f} % at `diagnostics_every=50`).")
@@ -182,11 +179,10 @@ def main() -> int:
     sources = {"attention": _load("attention-cpu-1thread.json"), "time split": _load("time-split-1thread.json"),
                "train": _load("train-cpu-1thread.json"), "diagnostics": _load("diagnostics-cpu-1thread.json"),
                "scaling": _load("scaling-cpu-1thread.json"),
-               "torch-cpu before": _load("time-split-torch-cpu-before-1thread.json"),
-               "torch-cpu after": _load("time-split-torch-cpu-after-1thread.json")}
+               "torch-cpu split": _load("time-split-torch-cpu-1thread.json")}
     rows = attention_rows(sources["attention"], sources["time split"]) + \
         other_rows(sources["train"], sources["diagnostics"], sources["scaling"], sources["time split"])
-    results = results_markdown(rows, sources, before_after(sources["torch-cpu before"], sources["torch-cpu after"]))
+    results = results_markdown(rows, sources, before_after(sources["torch-cpu split"]))
     readme = README.read_text()
     if START not in readme or END not in readme:
         raise SystemExit(f"README.md has no {START} ... {END} block for the performance lines")

@@ -4,6 +4,8 @@ step per attention backend, profiled op by op and summed by kind.
     python benchmarks/time_split.py                      # both tables, one thread
     python benchmarks/time_split.py --tag before         # results/time-split-before-1thread.{json,md}
     python benchmarks/time_split.py --presets fa2,paper --no-train
+    python benchmarks/time_split.py --presets sdpa,fa2,torch-cpu~fallback,torch-cpu --no-train --tag torch-cpu
+                                                         # the C kernels' before (~fallback) and after
 
 Kinds: ``gemm`` (bmm / mm / addmm: the matrix products), ``copy`` (dtype conversions and
 contiguous copies: copy_, _to_copy), ``sdpa kernel`` (torch's own CPU flash kernel, the
@@ -23,7 +25,9 @@ CPU, about twice a bf16 GEMM's time, since torch's CPU bmm has no bf16-in / fp32
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -76,10 +80,33 @@ def split(fn, repeats: int, calls: int = 3) -> dict:
     return {"wall_ms": wall, "ms": ms}
 
 
+FALLBACK = "~fallback"   # a preset named NAME~fallback runs with FLASHGUARD_NATIVE=0 (numerics/native.py)
+
+
+@contextlib.contextmanager
+def _native_off(on: bool):
+    """FLASHGUARD_NATIVE=0 inside (the C kernels' PyTorch fallback), when ``on``."""
+    old = os.environ.get("FLASHGUARD_NATIVE")
+    if on:
+        os.environ["FLASHGUARD_NATIVE"] = "0"
+    try:
+        yield
+    finally:
+        if on and old is None:
+            del os.environ["FLASHGUARD_NATIVE"]
+        elif on:
+            os.environ["FLASHGUARD_NATIVE"] = old
+
+
 def attention_table(presets, t: int, repeats: int) -> dict:
     q, k, v, do = inputs(t)
-    return {p: split(lambda p=p: fwd_bwd(make_fn(p if p == "sdpa" else f"{p}/none", None), q, k, v, do), repeats)
-            for p in presets}
+    out = {}
+    for p in presets:
+        name, fallback = p.removesuffix(FALLBACK), p.endswith(FALLBACK)
+        fn = make_fn(name if name == "sdpa" else f"{name}/none", None)
+        with _native_off(fallback):
+            out[p] = split(lambda fn=fn: fwd_bwd(fn, q, k, v, do), repeats)
+    return out
 
 
 def train_table(names, repeats: int) -> dict:

@@ -112,7 +112,7 @@ def library() -> Optional[ctypes.CDLL]:
                 continue
         try:
             _lib = _declare(ctypes.CDLL(str(path)))
-            _status = f"loaded {path}"
+            _status = f"loaded {path.name} (in cache_dir())"
             return _lib
         except (OSError, AttributeError) as exc:
             errors.append(str(exc))
