@@ -97,8 +97,9 @@ def test_training_losses_and_parameters_hash_as_recorded(name, one_thread):
     got = _run(SPECS[name])
     assert _run(SPECS[name]) == got  # deterministic on this machine, whatever the platform
     here = (torch.__version__, _platform())
-    recorded = {RECORDED_PLATFORM: RECORDED, **RECORDED_ELSEWHERE}.get(here, {})
+    platforms = {RECORDED_PLATFORM: RECORDED, **RECORDED_ELSEWHERE}
+    recorded = platforms.get(here, {})
     if name not in recorded:
-        where = [p for p, r in {RECORDED_PLATFORM: RECORDED, **RECORDED_ELSEWHERE}.items() if name in r]
+        where = [p for p, r in platforms.items() if name in r]
         pytest.skip(f"{name}: hashes recorded on {where}, this is {here} (its kernels round differently)")
     assert got == recorded[name]
