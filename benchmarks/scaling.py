@@ -224,7 +224,7 @@ def markdown(result: dict) -> str:
     subset = " Configurations: a subset (--quick / --presets)." if result["quick"] or result["presets"] else ""
     runs = f"{result['repeats']} run{'s' * (result['repeats'] != 1)}"
     lines = [f"# Attention scaling on CPU ({result['threads']} thread{'s' * (result['threads'] != 1)})", "",
-             f"torch {result['torch']}, CPU {result['cpu']}; shape (B={sh['B']}, H={sh['H']}, T, D), bf16 inputs, "
+             f"torch {result['torch']}, CPU {result['machine']['capability']}; shape (B={sh['B']}, H={sh['H']}, T, D), bf16 inputs, "
              f"causal, forward+backward; median of {runs} interleaved round-robin after a warm-up; x = ratio "
              "to torch SDPA measured in the same run. Ratios within one run on one machine, not timed tests. "
              "Peak MiB: growth of the peak resident set over one forward+backward in a fresh process (after a "
@@ -326,7 +326,7 @@ def main(argv=None) -> dict:
     print(f"torch {torch.__version__}, {threads} thread(s), CPU {torch.backends.cpu.get_cpu_capability()}; "
           f"configs: {', '.join(configs)}" + (f"; not run: {', '.join(skipped)}" if skipped else ""))
     grid = run_grid(configs, opts)
-    result = {"torch": torch.__version__, "machine": machine(), "threads": threads, "cpu": torch.backends.cpu.get_cpu_capability(),
+    result = {"torch": torch.__version__, "machine": machine(), "threads": threads,
               "shape": {"B": opts.batch, "H": opts.heads, "dtype": "bfloat16", "causal": True,
                         "pass": "forward+backward"},
               "t_sweep_d": opts.t_sweep_d, "d_sweep_t": opts.d_sweep_t, "repeats": opts.repeats,

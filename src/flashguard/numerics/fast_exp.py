@@ -38,26 +38,26 @@ EXP_IMPLEMENTATIONS = ("exact", "fexp_u20")
 _F32, _F64 = torch.float32, torch.float64
 
 
-def _native_inputs(*ts: torch.Tensor):
-    """The C library and the inputs as contiguous fp32 CPU tensors of one broadcast shape, or
-    (None, None) where the C path does not apply."""
+def _native(name: str, *ts: torch.Tensor) -> "torch.Tensor | None":
+    """The C kernel ``fg_<name>`` (numerics/native.py) on ``ts``, broadcast to one shape and made
+    contiguous fp32: a new fp32 tensor, or None where the C path does not apply (then the
+    caller's PyTorch fallback runs)."""
     if not all(t.device.type == "cpu" for t in ts):
-        return None, None
+        return None
     lib = native.library()
     if lib is None:
-        return None, None
+        return None
     shape = torch.broadcast_shapes(*(t.shape for t in ts))
-    return lib, [t.to(_F32).expand(shape).contiguous() for t in ts]
+    args = [t.to(_F32).expand(shape).contiguous() for t in ts]
+    out = torch.empty_like(args[0])
+    getattr(lib, f"fg_{name}")(*(t.data_ptr() for t in args), out.data_ptr(), out.numel())
+    return out
 
 
 def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """fp32 ``a * b + c`` with one rounding (round to nearest even), elementwise."""
-    lib, args = _native_inputs(a, b, c)
-    if lib is not None:
-        out = torch.empty_like(args[0])
-        lib.fg_fma32(*(t.data_ptr() for t in args), out.data_ptr(), out.numel())
-        return out
-    return fma32_torch(a, b, c)
+    out = _native("fma32", a, b, c)
+    return fma32_torch(a, b, c) if out is None else out
 
 
 def fma32_torch(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -92,12 +92,8 @@ _B = torch.tensor(2.0 ** 23 * 127, dtype=_F32)
 
 def fexp_u20(x: torch.Tensor) -> torch.Tensor:
     """ATen's AVX-512 ``fexp_u20`` of fp32 ``x``, bit for bit (a new fp32 tensor)."""
-    lib, args = _native_inputs(x)
-    if lib is not None:
-        out = torch.empty_like(args[0])
-        lib.fg_fexp_u20(args[0].data_ptr(), out.data_ptr(), out.numel())
-        return out
-    return fexp_u20_torch(x)
+    out = _native("fexp_u20", x)
+    return fexp_u20_torch(x) if out is None else out
 
 
 def fexp_u20_torch(x: torch.Tensor) -> torch.Tensor:

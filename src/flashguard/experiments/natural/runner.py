@@ -45,6 +45,13 @@ def _check_overrides(overrides) -> None:
                          "use --steps for the steps")
 
 
+def _unknown_arms(option: str, unknown, preset: NaturalPreset) -> ValueError:
+    """The error for arm names the preset does not have, naming them and the preset's arms."""
+    word = "arm" if len(unknown) == 1 else "arms"
+    return ValueError(f"{option}: unknown {word} {', '.join(map(repr, unknown))}; the arms of preset "
+                      f"{preset.name!r}: {', '.join(a.name for a in preset.arms)}")
+
+
 def parse_runs(items, preset: NaturalPreset) -> dict[str, Path]:
     """``--runs arm=DIR,arm=DIR`` (one or more arguments, each comma-separated) as {arm: DIR}."""
     text = ",".join(items) if not isinstance(items, str) else items
@@ -57,8 +64,7 @@ def parse_runs(items, preset: NaturalPreset) -> dict[str, Path]:
         if not eq or not arm or not d:
             raise ValueError(f"--runs: {part!r} is not ARM=DIR (arms: {', '.join(a.name for a in preset.arms)})")
         if arm not in {a.name for a in preset.arms}:
-            raise ValueError(f"--runs: unknown arm {arm!r}; the arms of preset {preset.name!r}: "
-                             f"{', '.join(a.name for a in preset.arms)}")
+            raise _unknown_arms("--runs", [arm], preset)
         if arm in out:
             raise ValueError(f"--runs: arm {arm!r} given twice")
         out[arm] = Path(d)
@@ -107,11 +113,12 @@ def _chosen_arms(preset: NaturalPreset, arms) -> list:
     """The preset's arms named by ``arms`` (None: all), in the preset's order."""
     if arms is None:
         return list(preset.arms)
-    names = {a.name for a in preset.arms}
-    unknown = [a for a in arms if a not in names]
-    if unknown or not arms:
-        raise ValueError(f"--arms: {'unknown arm(s) ' + ', '.join(map(repr, unknown)) if unknown else 'no arm given'}; "
-                         f"the arms of preset {preset.name!r}: {', '.join(a.name for a in preset.arms)}")
+    unknown = [a for a in arms if a not in {x.name for x in preset.arms}]
+    if unknown:
+        raise _unknown_arms("--arms", unknown, preset)
+    if not arms:
+        raise ValueError(f"--arms: no arm given; the arms of preset {preset.name!r}: "
+                         f"{', '.join(a.name for a in preset.arms)}")
     return [a for a in preset.arms if a.name in arms]
 
 
@@ -132,7 +139,7 @@ def run_natural(preset: NaturalPreset, out: str | Path, *, runs: dict | None = N
         runs = {a: Path(d) for a, d in runs.items()}
         unknown = [a for a in runs if a not in {x.name for x in preset.arms}]
         if unknown:
-            raise ValueError(f"unknown arm(s) {', '.join(unknown)}; arms: {', '.join(a.name for a in preset.arms)}")
+            raise _unknown_arms("runs", unknown, preset)
         _check_given(runs, preset)
         result = _write(out, preset, steps, runs, mode="analyse", common=None)
         result["wall_s"] = time.perf_counter() - t0
