@@ -161,3 +161,29 @@ def test_responsible_steps_each_way():
     assert responsible_steps(base + none) == []
     quiet = [_row("model", "torch-cpu", "c1", False)]
     assert responsible_steps(quiet + fixes) == []
+
+
+@pytest.mark.parametrize("capability,machine,columns", [
+    ("AVX512", "x86_64", 192), ("AVX2", "x86_64", 200), ("DEFAULT", "x86_64", 0)])
+def test_fast_exp_columns_follow_the_kernels_simd_width(monkeypatch, capability, machine, columns):
+    """The kernel runs fexp_u20 on the first multiple of its Vectorized<float> width (16 lanes with
+    AVX-512, 8 with AVX2; none in ATen's scalar DEFAULT build) and libm's exp on the rest: a tile
+    of 200 keys has 192 fast columns on AVX-512 and 200 on AVX2 (found on an AVX2 machine, where a
+    fixed width of 16 left 8 columns exact that the kernel computes fast)."""
+    from flashguard.attention import flash
+    from flashguard.numerics import fast_exp
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(fast_exp.platform, "machine", lambda: machine)
+    fast = flash._fast_exp_columns(torch.zeros(2, 200), get_policy("torch-cpu"))
+    assert (0 if fast is None else fast.shape[-1]) == columns
+    assert flash._fast_exp_columns(torch.zeros(2, 200), get_policy("fa2")) is None
+
+
+@pytest.mark.parametrize("capability,machine", [("SVE256", "aarch64"), ("DEFAULT", "aarch64"), ("VSX", "ppc64le")])
+def test_unmodelled_fast_exp_is_a_clear_error(monkeypatch, capability, machine):
+    """ARM's NEON / SVE kernels (and others) have fexp_u20s of their own: named, not guessed."""
+    from flashguard.numerics import fast_exp
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(fast_exp.platform, "machine", lambda: machine)
+    with pytest.raises(ValueError, match=f"ATen's {capability} kernels"):
+        fast_exp.fexp_lanes()

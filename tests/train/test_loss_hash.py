@@ -53,6 +53,16 @@ RECORDED_ELSEWHERE = {("2.13.0+cpu", "33c8dcb075af8cfb"): {
     "sdpa": "0c7b9182e5891016",
     "torch-cpu": "13dba22843841d8b",
     "fa2-cuda": "2ce3ff0cbf04b80c",
+}, ("2.13.0+cpu", "02f2d89967f34cc3"): {
+    # a third (an AMD EPYC with AVX2 only: ATen's portable bf16 gemm), recorded at commit d55ff59,
+    # before the C bf16 products (numerics/bf16_gemm.py), which hash alike
+    "paper": "02bc0a7cf11a00ef",
+    "paper-16x16": "bda9268fcb67afb3",
+    "fa2": "b2c1a341208653d2",
+    "fa2-16x16": "77eb17c1d1c1b199",
+    "sdpa": "fef1f45e9567821c",
+    "torch-cpu": "ef090cb981ba17f9",
+    "fa2-cuda": "8e24bd6c72f48ac1",
 }}
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics import bf16_gemm
 from ..numerics.arith import accumulation_dtype, cast, emulate, matmul_conversion
 
 __all__: list[str] = []  # private to attention/flash.py and its tests
@@ -114,7 +115,7 @@ class _Operands:
         """``numerics.arith.matmul(a, b, fmt)``; ``a`` and ``b`` are tensors or ``_Tile``s."""
         conv = matmul_conversion(*(t.want if isinstance(t, _Tile) else t.dtype for t in (a, b)), fmt)
         if conv is None:
-            return self._operand(a, None) @ self._operand(b, None)
+            return bf16_gemm.matmul(self._operand(a, None), self._operand(b, None))
         return cast(self._operand(a, conv) @ self._operand(b, conv), fmt)
 
     def _operand(self, t, conv: "torch.dtype | None") -> torch.Tensor:

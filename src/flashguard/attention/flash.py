@@ -30,7 +30,7 @@ import functools
 import torch
 
 from ..numerics.arith import cast, rowsum, storage_dtype
-from ..numerics.fast_exp import FEXP_LANES, fexp_u20
+from ..numerics.fast_exp import fexp_lanes, fexp_u20
 from ..numerics.formats import FP32, FP64, FloatFormat
 from ..numerics.gpu_exp import EXP2_IMPLEMENTATIONS, Exp2Steps
 from ..numerics.policy import PrecisionPolicy
@@ -54,11 +54,13 @@ def _masked_value(policy: PrecisionPolicy) -> float:
 
 def _fast_exp_columns(x: torch.Tensor, policy: PrecisionPolicy) -> "torch.Tensor | None":
     """With ``policy.exp == "fexp_u20"``: a copy of the tile's vectorised columns of x = S - m
-    (the first multiple of FEXP_LANES), which take the kernel's fast exponential; the rest of
-    the tile keeps the exact exp (the kernel's scalar tail). None for the exact exp."""
+    (the first multiple of the kernel's SIMD width here, ``fexp_lanes()``), which take the kernel's
+    fast exponential; the rest of the tile keeps the exact exp (the kernel's scalar tail). None for
+    the exact exp, or where no column is vectorised."""
     if policy.exp != "fexp_u20":
         return None
-    n = x.shape[-1] - x.shape[-1] % FEXP_LANES
+    lanes = fexp_lanes()
+    n = x.shape[-1] - x.shape[-1] % lanes if lanes else 0
     return x[..., :n].clone() if n else None
 
 

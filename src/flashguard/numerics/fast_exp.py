@@ -2,7 +2,8 @@
 
 ``fexp_u20`` is the fast exponential of PyTorch's fused CPU flash-attention kernel
 (ATen ``FlashAttentionKernel.cpp``, ``_exp_reduce_sum_fusion_kernel``: fp32 scores with a bf16
-P̄ take ``fexp_u20``; the AVX-512 body sits beside it in that file). It follows Malossi et al.,
+P̄ take ``fexp_u20``; ATen's vec512_float.h and vec256_float.h hold its AVX-512 and AVX2 bodies,
+one algorithm at two widths). It follows Malossi et al.,
 "Fast exponential computation on SIMD architectures" (2015): with s = x·log2(e) and f its
 fractional part, 2^f is approximated by a cubic, and the result is assembled by writing
 2^23·(s − poly(f)) + 127·2^23, truncated to an integer, as the bits of a float. Its error is
@@ -13,8 +14,10 @@ unrounded values into the row sum and rounds P̄ to bf16 (where 0.99994659 becom
 so every row's O is divided by a row sum 5.3e-5 too small: O is inflated by a relative 5.3e-5
 towards V's sign (docs/audit/torch-cpu.md measures it).
 
-Only the vectorised part of a row runs ``fexp_u20`` (16 fp32 lanes with AVX-512); the last
-``n % 16`` entries of a key tile take libm's ``exp``. ``fma32`` is a single-rounding fp32
+Only the vectorised part of a row runs ``fexp_u20``: the first multiple of ``fexp_lanes()``
+columns of a key tile (16 fp32 lanes with ATen's AVX-512 kernels, 8 with its AVX2 ones); the
+last ``n % lanes`` take libm's ``exp`` (and ATen's scalar DEFAULT build maps ``std::exp`` over
+every lane). ``fma32`` is a single-rounding fp32
 fused multiply-add, as the kernel's ``_mm512_fmadd_ps``: the product of two fp32 values is
 exact in fp64, the sum is rounded to odd in fp64 (two more bits than needed), and that
 rounds to fp32 exactly as one rounding would (Boldo & Melquiond, "Emulation of FMA and
@@ -25,17 +28,36 @@ CPU), else in PyTorch as written here; the two agree bit for bit (tests/numerics
 """
 from __future__ import annotations
 
+import platform
+
 import torch
 
 from . import native
 
-__all__ = ["fma32", "fexp_u20", "FEXP_LANES", "EXP_IMPLEMENTATIONS"]
+__all__ = ["fma32", "fexp_u20", "fexp_lanes", "EXP_IMPLEMENTATIONS"]
 
-# the SIMD width in fp32 lanes of the vectorised part (AVX-512); the rest of a row is scalar
-FEXP_LANES = 16
+# ATen's Vectorized<float> width in fp32 lanes, per CPU capability whose fexp_u20 is the cubic
+# modelled here (vec512_float.h, vec256_float.h); the kernel compiles once per capability and
+# runs the one torch picked for this CPU (ATEN_CPU_CAPABILITY overrides it)
+_CUBIC_LANES = {"AVX512": 16, "AVX2": 8}
 EXP_IMPLEMENTATIONS = ("exact", "fexp_u20")
 
 _F32, _F64 = torch.float32, torch.float64
+
+
+def fexp_lanes() -> int:
+    """The SIMD width of the kernel's fast exponential in this process: a key tile's first
+    ``n - n % fexp_lanes()`` columns take ``fexp_u20``, the rest libm's exp. 0 where no column
+    does (ATen's scalar DEFAULT build on x86, whose fexp_u20 is ``std::exp`` on every lane).
+    ARM's NEON and SVE kernels have fexp_u20s of their own, not modelled: a ValueError."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap in _CUBIC_LANES:
+        return _CUBIC_LANES[cap]
+    if cap == "DEFAULT" and platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        return 0
+    raise ValueError(f"the torch-cpu model's fast exponential is modelled for ATen's AVX-512, AVX2 and x86 "
+                     f"DEFAULT kernels; this process runs ATen's {cap} kernels on {platform.machine()}, "
+                     "whose fexp_u20 is not modelled (use exp='exact' or another preset)")
 
 
 def _native(name: str, *ts: torch.Tensor) -> "torch.Tensor | None":
@@ -91,7 +113,7 @@ _B = torch.tensor(2.0 ** 23 * 127, dtype=_F32)
 
 
 def fexp_u20(x: torch.Tensor) -> torch.Tensor:
-    """ATen's AVX-512 ``fexp_u20`` of fp32 ``x``, bit for bit (a new fp32 tensor)."""
+    """ATen's AVX-512 / AVX2 ``fexp_u20`` of fp32 ``x``, bit for bit (a new fp32 tensor)."""
     out = _native("fexp_u20", x)
     return fexp_u20_torch(x) if out is None else out
 

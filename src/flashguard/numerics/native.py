@@ -5,8 +5,13 @@ Emulating one fused multiply-add in PyTorch takes about a dozen fp64 elementwise
 made the ``torch-cpu`` preset 20-30x slower than the kernel it models. In C each is one
 ``fmaf``, exact by IEEE 754, in one pass over the data.
 
-``library()`` compiles ``csrc/fast_exp.c`` with the system's C compiler (``$CC``, else ``cc``)
-into a per-user cache, once per source and flags, and loads it with ctypes. Nothing is
+The same holds for torch's bf16 matrix products where oneDNN has no bf16 kernel for the CPU
+(AVX2): ATen's portable gemm sums each output one scalar at a time, 10-30x slower than an fp32
+product of the same size; ``csrc/bf16_gemm.c`` sums in the same orders, vectorised across the
+outputs (numerics/bf16_gemm.py).
+
+``library()`` compiles ``csrc/*.c`` with the system's C compiler (``$CC``, else ``cc``) into
+one library in a per-user cache, once per sources and flags, and loads it with ctypes. Nothing is
 compiled at install time and nothing is required: without a compiler, on a failed build, on
 tensors that are not on the CPU, or with ``FLASHGUARD_NATIVE=0``, the same functions run in
 PyTorch, bit for bit the same (tests/numerics/test_native.py pins one against the other).
@@ -28,7 +33,7 @@ __all__ = ["library", "enabled", "status", "cache_dir"]
 
 log = logging.getLogger("flashguard")
 
-_SOURCE = Path(__file__).with_name("csrc") / "fast_exp.c"
+_SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))
 # no FMA contraction: every fused multiply-add in the source is an explicit fmaf
 _FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno"]
 _CLONES = ["-DFG_CLONES"]  # per-CPU variants (x86-64 gcc); tried first, then without
@@ -64,7 +69,7 @@ def _compile(out: Path, cc: str, flags: list) -> Optional[str]:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, str(_SOURCE), "-o", tmp, "-lm"],
+        proc = subprocess.run([cc, *flags, *map(str, _SOURCES), "-o", tmp, "-lm"],
                               capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             return (proc.stderr or proc.stdout).strip() or f"{cc} exited with {proc.returncode}"
@@ -83,6 +88,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.fg_fma32.restype = None
     lib.fg_fexp_u20.argtypes = [p, p, n]
     lib.fg_fexp_u20.restype = None
+    for name in ("fg_bf16_gemm_ilp4", "fg_bf16_gemm_seq", "fg_bf16_gemm_dot8"):
+        getattr(lib, name).argtypes = [p, p, p, n, n, n, n]
+        getattr(lib, name).restype = None
     return lib
 
 
@@ -100,11 +108,11 @@ def library() -> Optional[ctypes.CDLL]:
         _status = f"no C compiler ({cc!r} not found): PyTorch fallback"
         log.info("flashguard: %s", _status)
         return None
-    source = _SOURCE.read_bytes()
+    source = b"".join(f.name.encode() + f.read_bytes() for f in _SOURCES)
     errors = []
     for flags in (_FLAGS + _CLONES, _FLAGS):
         key = hashlib.sha256(source + " ".join([cc, *flags, sys.platform]).encode()).hexdigest()[:16]
-        path = cache_dir() / f"fast_exp-{key}.so"
+        path = cache_dir() / f"flashguard-native-{key}.so"
         if not path.exists():
             err = _compile(path, cc, flags)
             if err is not None:

@@ -245,7 +245,8 @@ for _fp8 in ("e4m3", "e5m2"):
     POLICIES[f"fa2-{_fp8}-pscaled"] = POLICIES[f"fa2-{_fp8}"].replace(
         name=f"fa2-{_fp8}-pscaled", pbar="e4m3", row_sum_rounded=True, pbar_scale=largest_pbar_scale(get_format("e4m3")))
 # PyTorch's fused CPU flash kernel (ATen FlashAttentionKernel.cpp): fa2's structure, with the fast
-# exponential on each key tile's vectorised columns (exact exp on the last n % 16) and O = acc * (1/l).
+# exponential on each key tile's vectorised columns (exact exp on the last n % 16 with AVX-512, n % 8 with
+# AVX2: numerics.fast_exp.fexp_lanes) and O = acc * (1/l).
 # Its key tile is 512 wide (the default block); its query split (32 / 64 / 256 rows) does not change
 # a row's arithmetic.
 POLICIES["torch-cpu"] = POLICIES["fa2"].replace(name="torch-cpu", exp="fexp_u20", normalize="reciprocal")
