@@ -141,3 +141,50 @@ def test_a_dispatch_mode_sees_torchs_own_product():
         out = bf16_gemm.matmul(a, a)
     assert any(op.startswith(("bmm", "mm")) for op in seen.ops), seen.ops
     assert torch.equal(_bits(out), _bits(a @ a))
+
+
+def _linear_grads(x, w, fast: bool, monkeypatch):
+    """(out, grad x, grad w) of a linear layer under CPU bf16 autocast, the C path on or off;
+    w is used twice (a tied weight: an embedding gather and the linear) as in the GPT."""
+    monkeypatch.setattr(bf16_gemm, "verified", (lambda: True) if fast else (lambda: False))
+    from flashguard.model.linear import Linear
+    lin = Linear(w.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    xx = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lin(xx)
+        loss = (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum() + lin.weight[:3].sum()
+    loss.backward()
+    return [t.detach().contiguous() for t in (out, xx.grad, lin.weight.grad)]
+
+
+@on_avx2
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 33, 72), (130, 72)])
+def test_autocast_linear_is_torchs_bit_for_bit(dtype, shape, monkeypatch):
+    """The model's Linear under bf16 autocast: output, input grad and (tied) weight grad equal
+    torch's F.linear path to the bit, fp32 and bf16 inputs, 3D and 2D; and the C path ran."""
+    g = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(*shape, generator=g).to(dtype)
+    w = torch.randn(96, 72, generator=g) * 0.1
+    calls = []
+    real = bf16_gemm.product
+    monkeypatch.setattr(bf16_gemm, "product", lambda *a: calls.append(a[2]) or real(*a))
+    fast = _linear_grads(x, w, True, monkeypatch)
+    assert sorted(set(calls)) == ["dot8", "ilp4", "seq"]  # forward, grad x, grad w
+    slow = _linear_grads(x, w, False, monkeypatch)
+    for a, b in zip(fast, slow):
+        assert a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+
+
+def test_autocast_linear_applies_only_where_modelled(monkeypatch):
+    monkeypatch.setattr(bf16_gemm, "verified", lambda: True)
+    x, w = torch.randn(8, 16), torch.randn(4, 16)
+    assert not bf16_gemm.autocast_linear_applies(x, w, None)  # no autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert bf16_gemm.autocast_linear_applies(x, w, None)
+        assert not bf16_gemm.autocast_linear_applies(x, w, torch.zeros(4))  # a bias: torch adds it in the gemm
+        assert not bf16_gemm.autocast_linear_applies(x.double(), w, None)
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert not bf16_gemm.autocast_linear_applies(x, w, None)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from .attention import AttentionSpec, attend, check_layer_spec, effective_backend
 from .checks import is_int, is_real
 from .heads import HeadWeights
+from .linear import Linear
 
 __all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT"]
 
@@ -92,8 +93,8 @@ class CausalSelfAttention(nn.Module):
         self.layer_index = layer_index
         self.softcap = config.attn_softcap
         self.attn_dropout = float(config.attn_dropout)
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # rows: q | k | v
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_attn = Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # rows: q | k | v
+        self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.residual_projection = True  # scaled init, see GPT._init_weights
         self.resid_dropout = nn.Dropout(config.dropout)
         if config.qk_layernorm:
@@ -141,9 +142,9 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.gelu = nn.GELU(approximate="tanh")
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.residual_projection = True
         self.dropout = nn.Dropout(config.dropout)
 
@@ -200,7 +201,7 @@ class GPT(HeadWeights, nn.Module):
             h=nn.ModuleList(Block(config, specs[i], i) for i in range(config.n_layer)),
             ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
         ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied: one (V, C) matrix
         self.apply(self._init_weights)
         self.last_ce: torch.Tensor | None = None

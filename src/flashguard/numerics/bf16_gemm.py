@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import native
 
-__all__ = ["matmul", "verified", "ORDERS"]
+__all__ = ["matmul", "autocast_linear", "autocast_linear_applies", "active", "verified", "ORDERS"]
 
 ORDERS = ("ilp4", "seq", "dot8")
 # below this many products torch takes other routes (bmm's naive kernel below 400), and a C
@@ -72,7 +72,8 @@ def product(a3: torch.Tensor, b3: torch.Tensor, how: str) -> torch.Tensor:
     b = b3.to(torch.float32, memory_format=torch.contiguous_format)
     out = torch.empty((batch, m, n), dtype=torch.bfloat16)
     fn = getattr(lib, f"fg_bf16_gemm_{how}")
-    fn(a.data_ptr(), b.data_ptr(), out.data_ptr(), batch, m, n, k)
+    if fn(a.data_ptr(), b.data_ptr(), out.data_ptr(), batch, m, n, k) != 0:
+        raise MemoryError(f"bf16_gemm: no memory for a {k} x 8 packed block of the second operand")
     return out
 
 
@@ -120,17 +121,24 @@ def verified() -> bool:
     return True
 
 
+def active() -> bool:
+    """The C path is on: the library loads now (``FLASHGUARD_NATIVE=0`` turns it off at any time)
+    and ``verified()`` held."""
+    return native.library() is not None and verified()
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` for two tensors: the very bits torch's matmul gives here, through the C kernels
-    where they are verified to give them (bf16 CPU operands of one batch shape), else torch's.
+    where they are verified to give them (bf16 CPU operands of one batch shape, nothing for
+    autograd to record), else torch's.
     Under a Python dispatch mode (FakeTensor tracing in torch.compile, the golden tests'
     certificate of exactness) torch's own op runs, so that the mode sees the product."""
     if _get_current_dispatch_mode() is not None:
         return a @ b
     if (a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16 or a.device.type != "cpu"
             or b.device.type != "cpu" or a.dim() < 2 or a.dim() != b.dim() or a.shape[:-2] != b.shape[:-2]
-            or a.shape[-1] != b.shape[-2] or a.requires_grad or b.requires_grad
-            or a.shape[-2] * a.shape[-1] * b.shape[-1] < _MIN_WORK or not verified()):
+            or a.shape[-1] != b.shape[-2] or (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
+            or a.shape[-2] * a.shape[-1] * b.shape[-1] < _MIN_WORK or not active()):
         return a @ b
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
     # torch.matmul folds the batch dims with reshape (a view where they fold, else a copy)
@@ -139,3 +147,51 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if how is None:
         return a @ b
     return product(a3, b3, how).view(*a.shape[:-2], m, n)
+
+
+def autocast_linear_applies(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
+    """Whether ``autocast_linear`` may stand in for ``F.linear(x, weight)`` here: under CPU bf16
+    autocast, eager (not compiled, no dispatch mode), no bias (torch adds one inside the gemm,
+    an order not modelled), fp32 or bf16 operands on the CPU, and the C kernels verified."""
+    return (bias is None and x.device.type == "cpu" and weight.device.type == "cpu" and x.dim() >= 2
+            and x.dtype in (torch.float32, torch.bfloat16) and weight.dtype in (torch.float32, torch.bfloat16)
+            and weight.dim() == 2 and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16 and not torch.compiler.is_compiling()
+            and _get_current_dispatch_mode() is None and active())
+
+
+class _AutocastLinear(torch.autograd.Function):
+    """``F.linear(x, weight)`` under CPU bf16 autocast, with torch's own products: autocast casts
+    x and the weight to bf16 and matmul folds x to (N, C), so forward is mm(x2, W^T) (dot8), and
+    mm's backward takes grad_x = grad @ W (ilp4) and, W^T being column-major, grad_W = grad^T @ x2
+    (seq); the casts' backward converts the grads back. Run outside autocast (every operand is
+    already bf16), through ``matmul``: the same bits as torch's graph, each product in C."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        with torch.autocast("cpu", enabled=False):
+            x2 = x.to(torch.bfloat16).reshape(-1, x.shape[-1])          # (N, C)
+            w = weight.to(torch.bfloat16)                                  # (out, C)
+            out = matmul(x2, w.t())                                        # (N, out)
+        ctx.save_for_backward(x2, w)
+        ctx.x_meta, ctx.w_dtype = (x.shape, x.dtype), weight.dtype
+        return out.view(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, w = ctx.saved_tensors
+        (x_shape, x_dtype), w_dtype = ctx.x_meta, ctx.w_dtype
+        g = grad.reshape(-1, grad.shape[-1])                               # (N, out), as mm's grad
+        gx = gw = None
+        with torch.autocast("cpu", enabled=False):
+            if ctx.needs_input_grad[0]:
+                gx = matmul(g, w).to(x_dtype).view(x_shape)
+            if ctx.needs_input_grad[1]:
+                gw = matmul(g.t(), x2).to(w_dtype)
+        return gx, gw
+
+
+def autocast_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` under CPU bf16 autocast, bit for bit, its products in C (see
+    ``autocast_linear_applies``)."""
+    return _AutocastLinear.apply(x, weight)

@@ -90,7 +90,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.fg_fexp_u20.restype = None
     for name in ("fg_bf16_gemm_ilp4", "fg_bf16_gemm_seq", "fg_bf16_gemm_dot8"):
         getattr(lib, name).argtypes = [p, p, p, n, n, n, n]
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
