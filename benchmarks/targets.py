@@ -9,7 +9,7 @@ Reads (one thread): attention-cpu-1thread.json (benchmarks/attention.py --refere
 time-split-1thread.json (time_split.py), train-cpu-1thread.json (train.py), diagnostics-cpu-
 1thread.json (diagnostics.py), scaling-cpu-1thread.json (scaling.py), and the C kernels' before
 and after: time-split-torch-cpu-1thread.json (time_split.py --tag torch-cpu, with torch-cpu~fallback
-beside torch-cpu). A missing file leaves
+beside torch-cpu), and bf16-gemm-1thread.json (bf16_gemm.py, on a CPU without AVX-512). A missing file leaves
 its targets "not measured". A target a CPU cannot meet is shown with its measured limit: the
 GEMM time alone (time_split.py), which no rearrangement of the elementwise work goes below.
 """
@@ -120,6 +120,39 @@ def before_after(split: dict | None, name: str = "torch-cpu", base: str = "sdpa"
             markdown_table(["config", "wall ms", "x SDPA"], rows), ""]
 
 
+def bf16_section(data: dict | None) -> list[str]:
+    """The C bf16 products' section (benchmarks/bf16_gemm.py), measured where they run: each
+    product and call with torch's own products and with the C ones, in one run."""
+    if not data:
+        return []
+    m = data["machine"]
+    prod = [[name, f"{1e3 * r['torch']:.1f} ms", f"{1e3 * r['C']:.1f} ms", f"{r['torch'] / r['C']:.1f}x",
+             f"{1e3 * r['fp32']:.1f} ms"] for name, r in data["products"].items()]
+    calls = data["calls"]
+    pairs = []
+    for name, t in calls.items():
+        if name.endswith(", torch's products"):
+            base = name[: -len(", torch's products")]
+            c = calls.get(base + ", C products")
+            if c:
+                pairs.append([base, f"{1e3 * t:,.0f} ms", f"{1e3 * c:,.0f} ms", f"{t / c:.1f}x"])
+    ref = calls.get("the study's reference code")
+    paper = calls.get("paper attention, C products")
+    ref_line = (f" The study's reference code (torch's products) took {1e3 * ref:,.0f} ms in the same run: "
+                f"`paper` is **{ref / paper:.1f}x** faster than it here.") if ref and paper else ""
+    return ["## torch's bf16 products in C, on a CPU without AVX-512 (numerics/bf16_gemm.py)", "",
+            f"Measured on {m['cpu']} ({m['capability']}, {m['cores']} cores), one thread, by "
+            "`python benchmarks/bf16_gemm.py` (medians of interleaved runs, the C path on and off in one "
+            "process). There oneDNN has no bf16 kernel and torch multiplies bf16 matrices in ATen's portable "
+            "gemm, one output at a time: 5-35x slower than an fp32 product of the same operands. The C "
+            "kernels sum in torch's own orders (ilp4, seq, dot8 by layout), verified against torch at "
+            "first use, so outputs and training are bit for bit the same (tests/numerics/test_bf16_gemm.py, "
+            "tests/train/test_loss_hash.py); on CPUs with oneDNN's bf16 kernels they are off.", "",
+            markdown_table(["product (bf16)", "torch", "C", "speed-up", "fp32 product"], prod), "",
+            markdown_table(["call", "torch's products", "C products", "speed-up"], pairs), "",
+            *([ref_line.strip(), ""] if ref_line else [])]
+
+
 def results_markdown(rows: list[list[str]], sources: dict, sections: list[str] = ()) -> str:
     have = ", ".join(n for n, d in sources.items() if d is not None) or "none"
     return "\n".join([
@@ -168,6 +201,16 @@ def readme_lines(sources: dict) -> str:
     if diag:
         out.append(f"- A probe of every layer costs {diag['probe_in_plain_steps']:.1f} plain steps "
                    f"({100 * diag['implied_overhead']['50']:.0f} % at `diagnostics_every=50`).")
+    bf = sources.get("bf16 products")
+    if bf:
+        c = bf["calls"]
+        step = [k[: -len(", C products")] for k in c if k.startswith("tiny-cpu step") and k.endswith(", C products")]
+        if step:
+            parts = [f"{name[len('tiny-cpu step, '):]} {c[name + ', torch' + chr(39) + 's products']:.1f} s -> "
+                     f"{c[name + ', C products']:.1f} s" for name in step]
+            out.append(f"- On a CPU without AVX-512 ({bf['machine']['cpu']}, {bf['machine']['capability']}) torch's "
+                       "bf16 products are ATen's scalar gemm; flashguard runs them in C, bit for bit: a tiny-cpu "
+                       "training step " + ", ".join(parts) + ".")
     out.append("- Targets, limits and scaling with T and D: [benchmarks/results/](benchmarks/results/README.md).")
     return "\n".join(out)
 
@@ -179,10 +222,12 @@ def main() -> int:
     sources = {"attention": _load("attention-cpu-1thread.json"), "time split": _load("time-split-1thread.json"),
                "train": _load("train-cpu-1thread.json"), "diagnostics": _load("diagnostics-cpu-1thread.json"),
                "scaling": _load("scaling-cpu-1thread.json"),
-               "torch-cpu split": _load("time-split-torch-cpu-1thread.json")}
+               "torch-cpu split": _load("time-split-torch-cpu-1thread.json"),
+               "bf16 products": _load("bf16-gemm-1thread.json")}
     rows = attention_rows(sources["attention"], sources["time split"]) + \
         other_rows(sources["train"], sources["diagnostics"], sources["scaling"], sources["time split"])
-    results = results_markdown(rows, sources, before_after(sources["torch-cpu split"]))
+    results = results_markdown(rows, {k: v for k, v in sources.items() if k != "bf16 products"},
+                               before_after(sources["torch-cpu split"]) + bf16_section(sources["bf16 products"]))
     readme = README.read_text()
     if START not in readme or END not in readme:
         raise SystemExit(f"README.md has no {START} ... {END} block for the performance lines")
