@@ -1,6 +1,7 @@
 """The model's linear layer: nn.Linear, whose bf16 autocast products on CPUs where torch's own
-are ATen's scalar gemm (AVX2) run through numerics.bf16_gemm instead - the same bits, about 10x
-faster (tests/train/test_loss_hash.py pins the training bits on each platform)."""
+are ATen's scalar gemm (AVX2) run through numerics.bf16_gemm instead - the same bits, a tiny-cpu
+training step 5-7x faster there (benchmarks/results/README.md; tests/train/test_loss_hash.py pins
+the training bits on each platform)."""
 from __future__ import annotations
 
 import torch

@@ -2,8 +2,8 @@
 
 There torch multiplies bf16 matrices in ATen's portable gemm (aten/src/ATen/native/cpu/
 BlasKernel.cpp): every output is a sum of exact fp32 products in a fixed order, rounded once to
-bf16, one output at a time - 10-30x slower than an fp32 product of the same size, and 97 % of
-the ``paper`` preset's time on such a CPU. The order depends only on the operands' layouts
+bf16, one output at a time - 3-40x slower than an fp32 product of the same operands, and 97 % of
+the ``paper`` preset's time on such a CPU (benchmarks/results/README.md). The order depends only on the operands' layouts
 (row-major: the last dim contiguous; column-major: the one before it), in torch's column-major
 gemm terms:
 
@@ -152,8 +152,11 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def autocast_linear_applies(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
     """Whether ``autocast_linear`` may stand in for ``F.linear(x, weight)`` here: under CPU bf16
     autocast, eager (not compiled, no dispatch mode), no bias (torch adds one inside the gemm,
-    an order not modelled), fp32 or bf16 operands on the CPU, and the C kernels verified."""
+    an order not modelled), fp32 or bf16 operands on the CPU, a contiguous x (which torch's
+    matmul folds to one matrix whatever the weight; a strided x with a frozen weight goes to bmm,
+    whose small products take another loop), and the C kernels verified."""
     return (bias is None and x.device.type == "cpu" and weight.device.type == "cpu" and x.dim() >= 2
+            and x.is_contiguous()
             and x.dtype in (torch.float32, torch.bfloat16) and weight.dtype in (torch.float32, torch.bfloat16)
             and weight.dim() == 2 and torch.is_autocast_enabled("cpu")
             and torch.get_autocast_dtype("cpu") == torch.bfloat16 and not torch.compiler.is_compiling()
