@@ -188,3 +188,30 @@ def test_autocast_linear_applies_only_where_modelled(monkeypatch):
         assert not bf16_gemm.autocast_linear_applies(x.double(), w, None)
     with torch.autocast("cpu", dtype=torch.float16):
         assert not bf16_gemm.autocast_linear_applies(x, w, None)
+
+
+@on_avx2
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_threads_split_the_outputs_not_the_sums(threads, batch, monkeypatch):
+    """On several threads each output is still summed whole by one call: the bits of one thread."""
+    monkeypatch.setattr(bf16_gemm, "_MIN_PARALLEL", 0)
+    a, b = bf16_gemm._probe_operands(torch.Generator().manual_seed(batch), batch, 37, 100, 45)
+    n = torch.get_num_threads()
+    try:
+        for how in bf16_gemm.ORDERS:
+            torch.set_num_threads(1)
+            one = bf16_gemm.product(a, b, how)
+            torch.set_num_threads(threads)
+            many = bf16_gemm.product(a, b, how)
+            assert torch.equal(_bits(one), _bits(many)), how
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_pieces_cover_every_output_once():
+    for batch, m, threads in [(1, 10, 2), (3, 7, 2), (2, 5, 4), (8, 3, 3), (1, 1, 4)]:
+        seen = torch.zeros(batch, m, dtype=torch.int64)
+        for b0, b1, i0, i1 in bf16_gemm._pieces(batch, m, threads):
+            seen[b0:b1, i0:i1] += 1
+        assert bool((seen == 1).all()), (batch, m, threads)

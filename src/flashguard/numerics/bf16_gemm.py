@@ -26,6 +26,7 @@ read off torch's results (tests/numerics/test_bf16_gemm.py pins them).
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -38,6 +39,8 @@ ORDERS = ("ilp4", "seq", "dot8")
 # below this many products torch takes other routes (bmm's naive kernel below 400), and a C
 # call saves nothing
 _MIN_WORK = 1 << 15
+# below this many products one thread does it (a thread hand-off costs tens of microseconds)
+_MIN_PARALLEL = 1 << 22
 
 
 def _layout(x: torch.Tensor) -> "str | None":
@@ -62,9 +65,33 @@ def order(a3: torch.Tensor, b3: torch.Tensor) -> "str | None":
     return "ilp4" if la == lb else ("dot8" if la == "row" else "seq")
 
 
+_POOL: "ThreadPoolExecutor | None" = None
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None or _POOL._max_workers != threads:
+        _POOL = ThreadPoolExecutor(threads, thread_name_prefix="flashguard-bf16-gemm")
+    return _POOL
+
+
+def _pieces(batch: int, m: int, threads: int) -> list:
+    """(b0, b1, i0, i1) blocks of the output for ``threads`` workers: whole batch entries where
+    there are enough, else rows of each entry. Every output is summed whole by one call, so the
+    split leaves each output's order - and its bits - as they are."""
+    if threads <= 1:
+        return [(0, batch, 0, m)]
+    if batch >= threads:
+        edges = [batch * t // threads for t in range(threads + 1)]
+        return [(edges[t], edges[t + 1], 0, m) for t in range(threads) if edges[t] < edges[t + 1]]
+    edges = [m * t // threads for t in range(threads + 1)]
+    return [(b, b + 1, edges[t], edges[t + 1]) for b in range(batch) for t in range(threads) if edges[t] < edges[t + 1]]
+
+
 def product(a3: torch.Tensor, b3: torch.Tensor, how: str) -> torch.Tensor:
     """The bf16 product of (batch, m, k) ``a3`` and (batch, k, n) ``b3`` summed in order ``how``
-    by the C kernel, a new contiguous (batch, m, n) bf16 tensor."""
+    by the C kernel, a new contiguous (batch, m, n) bf16 tensor; on torch's intra-op threads
+    (ctypes releases the GIL during the call)."""
     lib = native.library()
     batch, m, k = a3.shape
     n = b3.shape[-1]
@@ -72,7 +99,16 @@ def product(a3: torch.Tensor, b3: torch.Tensor, how: str) -> torch.Tensor:
     b = b3.to(torch.float32, memory_format=torch.contiguous_format)
     out = torch.empty((batch, m, n), dtype=torch.bfloat16)
     fn = getattr(lib, f"fg_bf16_gemm_{how}")
-    if fn(a.data_ptr(), b.data_ptr(), out.data_ptr(), batch, m, n, k) != 0:
+    pa, pb, pc = a.data_ptr(), b.data_ptr(), out.data_ptr()
+
+    def run(piece):  # fp32 operands: 4 bytes an element; the bf16 output: 2
+        b0, b1, i0, i1 = piece
+        return fn(pa + 4 * (b0 * m + i0) * k, pb + 4 * b0 * k * n, pc + 2 * (b0 * m + i0) * n, b1 - b0, i1 - i0, n, k)
+
+    threads = min(torch.get_num_threads(), batch * m) if batch * m * n * k >= _MIN_PARALLEL else 1
+    pieces = _pieces(batch, m, threads)
+    codes = [run(pieces[0])] if len(pieces) == 1 else list(_pool(threads).map(run, pieces))
+    if any(codes):
         raise MemoryError(f"bf16_gemm: no memory for a {k} x 8 packed block of the second operand")
     return out
 
