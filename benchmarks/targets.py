@@ -9,7 +9,8 @@ Reads (one thread): attention-cpu-1thread.json (benchmarks/attention.py --refere
 time-split-1thread.json (time_split.py), train-cpu-1thread.json (train.py), diagnostics-cpu-
 1thread.json (diagnostics.py), scaling-cpu-1thread.json (scaling.py), and the C kernels' before
 and after: time-split-torch-cpu-1thread.json (time_split.py --tag torch-cpu, with torch-cpu~fallback
-beside torch-cpu), and bf16-gemm-1thread.json (bf16_gemm.py, on a CPU without AVX-512). A missing file leaves
+beside torch-cpu), bf16-gemm-1thread.json (bf16_gemm.py, on a CPU without AVX-512) and
+allocator-1thread.json (allocator.py: freed memory kept, against glibc's defaults). A missing file leaves
 its targets "not measured". A target a CPU cannot meet is shown with its measured limit: the
 GEMM time alone (time_split.py), which no rearrangement of the elementwise work goes below.
 """
@@ -62,13 +63,20 @@ def attention_rows(att: dict | None, split: dict | None) -> list[list[str]]:
         b = sp[base]
         return f"{(b['wall_ms'] - b['ms']['gemm'] + sp[name]['ms']['gemm']) / b['wall_ms']:.2f}x ({base} with {name}'s GEMMs)"
 
+    def ref_limit():  # paper must run the reference code's own bf16 products (its bits are theirs)
+        if "paper" not in sp or "reference-code" not in sp:
+            return "-"
+        return f"{sp['reference-code']['wall_ms'] / sp['paper']['ms']['gemm']:.2f}x (the reference code's call " \
+               "against paper's GEMMs alone, which are its own)"
+
     fa2, fwd, ref = ratio("fa2/none", "sdpa"), ratio("paper-fp32fwd/none", "paper/none"), \
         ratio("reference-code", "paper/none")
     return [
         ["fa2 forward+backward <= 1.5x torch SDPA (T 1024)", _fmt(fa2, "x"), _verdict(fa2, 1.5, True),
          floor_vs_sdpa("fa2")],
         ["paper-fp32fwd <= 1.1x paper", _fmt(fwd, "x"), _verdict(fwd, 1.1, True), floor_vs("paper-fp32fwd", "paper")],
-        ["paper >= 2x faster than the study's reference code", _fmt(ref, "x"), _verdict(ref, 2.0, False), "-"],
+        ["paper >= 2x faster than the study's reference code", _fmt(ref, "x"), _verdict(ref, 2.0, False),
+         ref_limit()],
     ]
 
 
@@ -155,6 +163,35 @@ def bf16_section(data: dict | None) -> list[str]:
             *([ref_line.strip(), ""] if ref_line else [])]
 
 
+def allocator_section(data: dict | None) -> list[str]:
+    """Freed memory kept for reuse (utils/allocator.py) against the C library's own thresholds,
+    from one run of benchmarks/allocator.py (each side in its own child processes)."""
+    if not data:
+        return []
+    m, res = data["machine"], data["results"]
+    rows = []
+    for name, r in res.items():
+        if name.startswith("process"):
+            continue
+        d, k = r["default"], r["kept"]
+        rows.append([name, f"{1e3 * d['median_s']:.0f} ms", f"{d['faults']:,.0f}", f"{1e3 * k['median_s']:.0f} ms",
+                     f"{k['faults']:,.0f}", f"{r['kept_over_default']:.2f}x"])
+    rss = res.get("process: peak resident MiB")
+    rss_line = (f" Peak resident memory of a child process: {rss['default']:,.0f} MiB by default, "
+                f"{rss['kept']:,.0f} MiB with memory kept (kept memory is reused; the heap's fragmentation "
+                "can raise the peak).") if rss else ""
+    return ["## Before and after: freed memory kept for reuse (utils/allocator.py)", "",
+            f"Measured on {m['cpu']} ({m['capability']}, {m['cores']} cores), one thread, by "
+            f"`python benchmarks/allocator.py` ({data['rounds']} rounds; each side in its own child "
+            "process, alternating which starts; medians of the rounds' medians). Default: glibc's own "
+            "thresholds, which map large tensors fresh and unmap them on free, so that each comes back "
+            "as zeroed pages (`FLASHGUARD_RETAIN_MEMORY=0`). Kept: `retain_freed_memory()`, which "
+            "flashguard's command line and these benchmarks call. Page faults are minor faults per call. "
+            "The arithmetic is the same on either side (tests/utils/test_allocator.py: loss and "
+            "parameter hashes alike)." + rss_line, "",
+            markdown_table(["workload", "default", "faults", "kept", "faults", "kept / default"], rows), ""]
+
+
 def results_markdown(rows: list[list[str]], sources: dict, sections: list[str] = ()) -> str:
     have = ", ".join(n for n, d in sources.items() if d is not None) or "none"
     return "\n".join([
@@ -203,6 +240,15 @@ def readme_lines(sources: dict) -> str:
     if diag:
         out.append(f"- A probe of every layer costs {diag['probe_in_plain_steps']:.1f} plain steps "
                    f"({100 * diag['implied_overhead']['50']:.0f} % at `diagnostics_every=50`).")
+    al = sources.get("allocator")
+    if al:
+        r = al["results"]
+        parts = [f"{name.split(': ', 1)[1]} {r[name]['kept_over_default']:.2f}x"
+                 for name in ("attention: paper/none", "attention: fa2/none", "attention: reference-code",
+                              "train: flash+fa2") if name in r]
+        out.append("- Freed memory kept for reuse (flashguard's command line; `FLASHGUARD_RETAIN_MEMORY=0` "
+                   "turns it off) against glibc's defaults, time kept / default: " + ", ".join(parts) +
+                   " (attention at T 1024, the tiny-cpu step).")
     bf = sources.get("bf16 products")
     if bf:
         c = bf["calls"]
@@ -225,11 +271,12 @@ def main() -> int:
                "train": _load("train-cpu-1thread.json"), "diagnostics": _load("diagnostics-cpu-1thread.json"),
                "scaling": _load("scaling-cpu-1thread.json"),
                "torch-cpu split": _load("time-split-torch-cpu-1thread.json"),
-               "bf16 products": _load("bf16-gemm-1thread.json")}
+               "bf16 products": _load("bf16-gemm-1thread.json"), "allocator": _load("allocator-1thread.json")}
     rows = attention_rows(sources["attention"], sources["time split"]) + \
         other_rows(sources["train"], sources["diagnostics"], sources["scaling"], sources["time split"])
-    results = results_markdown(rows, {k: v for k, v in sources.items() if k != "bf16 products"},
-                               before_after(sources["torch-cpu split"]) + bf16_section(sources["bf16 products"]))
+    results = results_markdown(rows, {k: v for k, v in sources.items() if k not in ("bf16 products", "allocator")},
+                               before_after(sources["torch-cpu split"]) + allocator_section(sources["allocator"])
+                               + bf16_section(sources["bf16 products"]))
     readme = README.read_text()
     if START not in readme or END not in readme:
         raise SystemExit(f"README.md has no {START} ... {END} block for the performance lines")

@@ -4,6 +4,7 @@ step per attention backend, profiled op by op and summed by kind.
     python benchmarks/time_split.py                      # both tables, one thread
     python benchmarks/time_split.py --tag before         # results/time-split-before-1thread.{json,md}
     python benchmarks/time_split.py --presets fa2,paper --no-train
+    python benchmarks/time_split.py --reference /path/to/attention.py   # + the study's code's row
     python benchmarks/time_split.py --presets sdpa,fa2,torch-cpu~fallback,torch-cpu --no-train --tag torch-cpu
                                                          # the C kernels' before (~fallback) and after
 
@@ -98,12 +99,14 @@ def _native_off(on: bool):
             os.environ["FLASHGUARD_NATIVE"] = old
 
 
-def attention_table(presets, t: int, repeats: int) -> dict:
+def attention_table(presets, t: int, repeats: int, reference: "str | None" = None) -> dict:
+    """The attention rows; with ``reference`` (the study's attention.py) a ``reference-code`` row,
+    whose bf16 products are the very ones ``paper`` must run to give its bits."""
     q, k, v, do = inputs(t)
     out = {}
-    for p in presets:
+    for p in [*presets, *(["reference-code"] if reference else [])]:
         name, fallback = p.removesuffix(FALLBACK), p.endswith(FALLBACK)
-        fn = make_fn(name if name == "sdpa" else f"{name}/none", None)
+        fn = make_fn(name if name in ("sdpa", "reference-code") else f"{name}/none", reference)
         with _native_off(fallback):
             out[p] = split(lambda fn=fn: fwd_bwd(fn, q, k, v, do), repeats)
     return out
@@ -134,10 +137,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-train", action="store_true", help="skip the training-step table")
     ap.add_argument("--tag", default="", help="name part of the results files (e.g. before, after)")
+    ap.add_argument("--reference", help="path to the study's attention.py: its row too (the paper target's limit)")
     args = ap.parse_args()
+    if args.reference and not Path(args.reference).is_file():
+        ap.error(f"--reference: no file {args.reference}")
     torch.set_num_threads(args.threads)
     result = {"torch": torch.__version__, "machine": machine(), "threads": torch.get_num_threads(), "t": args.t,
-              "attention": attention_table(args.presets.split(","), args.t, args.repeats)}
+              "attention": attention_table(args.presets.split(","), args.t, args.repeats, args.reference)}
     if not args.no_train:
         result["train"] = train_table(TRAIN, args.repeats)
     md = [f"# Where the time goes ({result['torch']}, {result['threads']} thread(s))", "",

@@ -15,6 +15,7 @@ import sys
 from .commands import COMMANDS
 from .commands.common import config_option_error, valid_values
 from .commands.lab import lab_out
+from .utils.allocator import retain_freed_memory
 
 __all__ = ["main", "build_parser", "lab_out"]
 
@@ -50,6 +51,7 @@ def _parse(parser: argparse.ArgumentParser, sub, argv: list[str]) -> argparse.Na
 def main(argv: list[str] | None = None) -> int:
     parser, sub = build_parser()
     args = _parse(parser, sub, sys.argv[1:] if argv is None else list(argv))
+    retain_freed_memory()  # this process's tile-sized tensors reuse freed memory (utils/allocator.py)
     try:
         return COMMANDS[args.command].run(args)
     except (ValueError, FileNotFoundError, FileExistsError) as e:  # ConfigError is a ValueError
