@@ -29,6 +29,7 @@ import functools
 
 import torch
 
+from ..numerics import bf16_softmax
 from ..numerics.arith import cast, rowsum, storage_dtype
 from ..numerics.fast_exp import fexp_lanes, fexp_u20
 from ..numerics.formats import FP32, FP64, FloatFormat
@@ -93,7 +94,7 @@ def _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap=None, want_t
     derivative in backward), else None. With ``want_raw`` returns (s, t, raw): raw = round(q k^T)
     before the scale (the input of the GPU kernels' exp2 forms)."""
     fmt = policy.scores
-    s = ops.mm(ops.tile(q, q0, q1, out_fmt=fmt), ops.tile(k, k0, k1, transpose=True, out_fmt=fmt), fmt)
+    s = _qk(ops, q, k, q0, q1, k0, k1, fmt)
     raw = s.clone() if want_raw else None
     s = _rounded(s.mul_(scale), fmt)
     t = None
@@ -107,6 +108,19 @@ def _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap=None, want_t
     if want_raw:
         return s, t, raw
     return s, t
+
+
+def _qk(ops, q, k, q0, q1, k0, k1, fmt):
+    """round(q k^T) of the tile in ``fmt``, a fresh tensor (B, H, n, bk)."""
+    return ops.mm(ops.tile(q, q0, q1, out_fmt=fmt), ops.tile(k, k0, k1, transpose=True, out_fmt=fmt), fmt)
+
+
+def _bf16_chain(policy: PrecisionPolicy, bias, softcap, *formats) -> bool:
+    """Whether a tile's softmax steps may run as numerics.bf16_softmax's fused passes: the named
+    formats of the policy all bf16 (native), the exact exponential, no bias or soft-cap between
+    the scale and the softmax. The pass itself still declines tiles it does not cover."""
+    return (bias is None and softcap is None and policy.exp == "exact"
+            and all(getattr(policy, f).torch_dtype == torch.bfloat16 and getattr(policy, f).is_native for f in formats))
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,6 +178,12 @@ def _visible_scores(ops, q, k, bias, tile, scale: float, policy: PrecisionPolicy
     raw = None
     if gpu is not None and gpu.raw:
         s, _, raw = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap, want_raw=True)
+    elif _bf16_chain(policy, bias, softcap, "scores"):
+        # bf16(q k^T * scale), then the fill: one pass where numerics.bf16_softmax covers the tile
+        s = _qk(ops, q, k, q0, q1, k0, k1, policy.scores)
+        if bf16_softmax.scale_fill_(s, scale, th, fill) is not None:
+            return s, None
+        s = _rounded(s.mul_(scale), policy.scores)
     else:
         s, _ = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap)  # (B, H, n, bk)
     if th is not None:
@@ -175,6 +195,12 @@ def _visible_scores(ops, q, k, bias, tile, scale: float, policy: PrecisionPolicy
 
 def _tile_exp_(s, m_safe, th, fill, policy: PrecisionPolicy):
     """P = exp(S - m) of a visible tile in the policy's exp (hidden entries 0); consumes ``s``."""
+    if _bf16_chain(policy, None, None, "scores"):
+        # bf16 exp of bf16(S - m), then the finite fill's hidden entries 0 (with the -inf fill,
+        # exp gives 0 there by itself): one pass where numerics.bf16_softmax covers the tile
+        p = bf16_softmax.p_from_max_(s, m_safe, None if fill == float("-inf") else th)
+        if p is not None:
+            return p
     x = _rounded(s.sub_(m_safe), policy.scores)
     x_fast = _fast_exp_columns(x, policy)
     if th is None or fill == float("-inf"):
@@ -326,6 +352,17 @@ def _p_tile(ops, q, k, lse_i, hide, bias, causal, q0, q1, k0, k1, scale, policy,
         if th is not None:
             th.fill_(u, float("-inf"))
         return cast(gpu.p_from_lse(u, lse_i), policy.p), dcap
+    if _bf16_chain(policy, bias, softcap, "scores", "p"):
+        # exp(bf16(bf16(q k^T * scale) - lse)), hidden scores -inf: one pass where
+        # numerics.bf16_softmax covers the tile, else the same steps as torch ops
+        s = _qk(ops, q, k, q0, q1, k0, k1, policy.scores)
+        th = _tile_hidden(hide, causal, q0, q1, k0, k1, q.device)
+        if bf16_softmax.p_from_lse_(s, lse_i, scale, th) is not None:
+            return s, None
+        s = _rounded(s.mul_(scale), policy.scores)
+        if th is not None:
+            th.fill_(s, float("-inf"))
+        return _exp_hidden_(_rounded(s.sub_(lse_i), policy.p), th, lse_i, policy.p), None
     s, t = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap, want_tanh=True)
     dcap = None if t is None else cast(1.0 - cast(t * t, policy.p), policy.p)
     th = _tile_hidden(hide, causal, q0, q1, k0, k1, q.device)
@@ -444,10 +481,14 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
                 dp = _dropped_dp(dp, kt, dropout.scale, policy)
             # dS = (P * scale) * (dP - delta), each op rounded to the p format, in place; with
             # ds_scale="accumulator" dS = P * (dP - delta) and the scale goes on the finished dQ / dK
-            dp_minus = cast(_rounded(dp.sub_(delta[..., q0:q1, :]), policy.dp), policy.p)
-            if scale_ds:
-                p = _rounded(p.mul_(scale), policy.p)
-            ds = _rounded(p.mul_(dp_minus), policy.p)
+            ds = None
+            if dcap is None and _bf16_chain(policy, None, None, "dp", "p") and dp.dtype == torch.bfloat16:
+                ds = bf16_softmax.ds_(p, dp, delta[..., q0:q1, :], scale if scale_ds else None)  # one pass, or None
+            if ds is None:
+                dp_minus = cast(_rounded(dp.sub_(delta[..., q0:q1, :]), policy.dp), policy.p)
+                if scale_ds:
+                    p = _rounded(p.mul_(scale), policy.p)
+                ds = _rounded(p.mul_(dp_minus), policy.p)
             if dcap is not None:  # through the soft-cap: d(cap * tanh(x / cap)) / dx = 1 - tanh^2
                 ds = _rounded(ds.mul_(dcap), policy.p)
             ds = _operand(cast(ds, policy.ds), policy.grad_partial)  # the matmul operand

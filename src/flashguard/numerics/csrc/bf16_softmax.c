@@ -1,0 +1,143 @@
+/* The bf16 softmax passes of the emulated flash attention (attention/flash.py, bf16 scores, P and
+ * dP: the study's arithmetic) fused into one pass each, with the bits of torch's own ops.
+ *
+ * Each torch op on a bf16 tile widens to fp32, computes one IEEE fp32 operation and rounds to
+ * bf16 to nearest even; a chain of them reads and writes the whole tile once per op. Here a chain
+ * runs lane by lane in registers with the same roundings between its steps. The exponential is
+ * torch's own vector exponential (Sleef_expf16_u10, called through the pointer that
+ * numerics/bf16_softmax.py takes from torch's library), which torch's bf16 exp applies to every
+ * element of a loop whose length is a multiple of its 64-element step: the Python side uses these
+ * kernels only where torch's loops have no scalar tail, and checks them against torch's ops over
+ * every bf16 bit pattern before the first use.
+ *
+ * Layout: ``s`` (and ``dp``) are rows of ``w`` bf16 values (w a multiple of 16), rows r0..r1-1 of
+ * a contiguous (rows, w) tile; ``shift`` holds one bf16 value per row; ``hidden`` is NULL or a
+ * (period, w) byte mask, row r using mask row r % period (a causal mask shared by batch and heads).
+ * Built with -ffp-contract=off: no product and sum are fused.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#define FG_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+typedef __m512 (*fg_vexp_t)(__m512);
+static fg_vexp_t fg_vexp;
+
+/* torch's vector exponential; returns 1 if the pointer was taken */
+int fg_bf16_softmax_set_exp(void *fn) {
+    fg_vexp = (fg_vexp_t)fn;
+    return fn != NULL;
+}
+
+FG_AVX512 static inline __m512 widen(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* fp32 -> the bf16 bits torch's vector conversion writes, in the high half of each lane:
+ * round to nearest even; a NaN becomes 0xffff */
+FG_AVX512 static inline __m512i bf16_bits(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    __mmask16 ordered = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+    return _mm512_mask_blend_epi32(ordered, _mm512_set1_epi32((int)0xffff0000u), r);
+}
+
+/* the bf16 value of v, held in fp32 (the next op's widened operand) */
+FG_AVX512 static inline __m512 rnd(__m512 v) { return _mm512_castsi512_ps(bf16_bits(v)); }
+
+FG_AVX512 static inline void store(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
+}
+
+FG_AVX512 static inline __m512 row_value(const uint16_t *shift, int64_t r) {
+    uint32_t u = (uint32_t)shift[r] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return _mm512_set1_ps(f);
+}
+
+FG_AVX512 static inline __mmask16 hidden_lanes(const uint8_t *h) {
+    __m128i b = _mm_loadu_si128((const __m128i *)h);
+    return _mm_test_epi8_mask(b, b);
+}
+
+/* P = exp(S' - lse) of the backward pass: S' = bf16(S * scale) when do_scale, else S; hidden
+ * entries of S' are -inf; each step rounded to bf16. In place. */
+FG_AVX512 void fg_bf16_p_from_lse(uint16_t *s, const uint16_t *shift, const uint8_t *hidden, int64_t period,
+                                  float scale, int do_scale, int64_t w, int64_t r0, int64_t r1) {
+    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-__builtin_inff());
+    for (int64_t r = r0; r < r1; r++) {
+        uint16_t *row = s + r * w;
+        const uint8_t *hrow = hidden ? hidden + (r % period) * w : NULL;
+        const __m512 m = row_value(shift, r);
+        for (int64_t j = 0; j < w; j += 16) {
+            __m512 x = widen(row + j);
+            if (do_scale) x = rnd(_mm512_mul_ps(x, sc));
+            if (hrow) x = _mm512_mask_blend_ps(hidden_lanes(hrow + j), x, ninf);
+            x = rnd(_mm512_sub_ps(x, m));
+            store(row + j, fg_vexp(x));
+        }
+    }
+}
+
+/* P = exp(S - m) of the forward pass, hidden entries then set to +0. In place. */
+FG_AVX512 void fg_bf16_p_from_max(uint16_t *s, const uint16_t *shift, const uint8_t *hidden, int64_t period,
+                                  int64_t w, int64_t r0, int64_t r1) {
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t r = r0; r < r1; r++) {
+        uint16_t *row = s + r * w;
+        const uint8_t *hrow = hidden ? hidden + (r % period) * w : NULL;
+        const __m512 m = row_value(shift, r);
+        for (int64_t j = 0; j < w; j += 16) {
+            __m512 p = fg_vexp(rnd(_mm512_sub_ps(widen(row + j), m)));
+            if (hrow) p = _mm512_mask_blend_ps(hidden_lanes(hrow + j), rnd(p), zero);
+            store(row + j, p);
+        }
+    }
+}
+
+/* dS = bf16(P') * bf16(dP - delta), P' = bf16(P * scale) when do_scale, else P. Into p. */
+FG_AVX512 void fg_bf16_ds(uint16_t *p, const uint16_t *dp, const uint16_t *shift, float scale, int do_scale,
+                          int64_t w, int64_t r0, int64_t r1) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t r = r0; r < r1; r++) {
+        uint16_t *prow = p + r * w;
+        const uint16_t *drow = dp + r * w;
+        const __m512 d = row_value(shift, r);
+        for (int64_t j = 0; j < w; j += 16) {
+            __m512 dpm = rnd(_mm512_sub_ps(widen(drow + j), d));
+            __m512 x = widen(prow + j);
+            if (do_scale) x = rnd(_mm512_mul_ps(x, sc));
+            store(prow + j, _mm512_mul_ps(x, dpm));
+        }
+    }
+}
+
+/* S = bf16(S * scale), hidden entries then set to the bf16 bits ``fill``. In place. */
+FG_AVX512 void fg_bf16_scale_fill(uint16_t *s, const uint8_t *hidden, int64_t period, float scale,
+                                  uint16_t fill, int64_t w, int64_t r0, int64_t r1) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    uint32_t fu = (uint32_t)fill << 16;
+    float ff;
+    memcpy(&ff, &fu, sizeof ff);
+    const __m512 fillv = _mm512_set1_ps(ff);
+    for (int64_t r = r0; r < r1; r++) {
+        uint16_t *row = s + r * w;
+        const uint8_t *hrow = hidden ? hidden + (r % period) * w : NULL;
+        for (int64_t j = 0; j < w; j += 16) {
+            __m512 x = rnd(_mm512_mul_ps(widen(row + j), sc));
+            if (hrow) x = _mm512_mask_blend_ps(hidden_lanes(hrow + j), x, fillv);
+            store(row + j, x);
+        }
+    }
+}
+
+#else
+int fg_bf16_softmax_set_exp(void *fn) { (void)fn; return 0; }
+#endif
