@@ -29,7 +29,7 @@ import functools
 
 import torch
 
-from ..numerics import bf16_softmax
+from ..numerics import fused_softmax
 from ..numerics.arith import cast, rowsum, storage_dtype
 from ..numerics.fast_exp import fexp_lanes, fexp_u20
 from ..numerics.formats import FP32, FP64, FloatFormat
@@ -115,12 +115,13 @@ def _qk(ops, q, k, q0, q1, k0, k1, fmt):
     return ops.mm(ops.tile(q, q0, q1, out_fmt=fmt), ops.tile(k, k0, k1, transpose=True, out_fmt=fmt), fmt)
 
 
-def _bf16_chain(policy: PrecisionPolicy, bias, softcap, *formats) -> bool:
-    """Whether a tile's softmax steps may run as numerics.bf16_softmax's fused passes: the named
-    formats of the policy all bf16 (native), the exact exponential, no bias or soft-cap between
-    the scale and the softmax. The pass itself still declines tiles it does not cover."""
-    return (bias is None and softcap is None and policy.exp == "exact"
-            and all(getattr(policy, f).torch_dtype == torch.bfloat16 and getattr(policy, f).is_native for f in formats))
+def _fused_chain(policy: PrecisionPolicy, bias, softcap, *formats) -> bool:
+    """Whether a tile's softmax steps may run as numerics.fused_softmax's passes: the named formats
+    of the policy one native dtype (bf16 or fp32), the exact exponential, no bias or soft-cap
+    between the scale and the softmax. The pass itself still declines tiles it does not cover."""
+    dtypes = {getattr(policy, f).torch_dtype for f in formats}
+    return (bias is None and softcap is None and policy.exp == "exact" and len(dtypes) == 1
+            and dtypes <= {torch.bfloat16, torch.float32} and all(getattr(policy, f).is_native for f in formats))
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,10 +179,10 @@ def _visible_scores(ops, q, k, bias, tile, scale: float, policy: PrecisionPolicy
     raw = None
     if gpu is not None and gpu.raw:
         s, _, raw = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap, want_raw=True)
-    elif _bf16_chain(policy, bias, softcap, "scores"):
-        # bf16(q k^T * scale), then the fill: one pass where numerics.bf16_softmax covers the tile
+    elif _fused_chain(policy, bias, softcap, "scores"):
+        # round(q k^T * scale), then the fill: one pass where numerics.fused_softmax covers the tile
         s = _qk(ops, q, k, q0, q1, k0, k1, policy.scores)
-        if bf16_softmax.scale_fill_(s, scale, th, fill) is not None:
+        if fused_softmax.scale_fill_(s, scale, th, fill) is not None:
             return s, None
         s = _rounded(s.mul_(scale), policy.scores)
     else:
@@ -195,10 +196,9 @@ def _visible_scores(ops, q, k, bias, tile, scale: float, policy: PrecisionPolicy
 
 def _tile_exp_(s, m_safe, th, fill, policy: PrecisionPolicy):
     """P = exp(S - m) of a visible tile in the policy's exp (hidden entries 0); consumes ``s``."""
-    if _bf16_chain(policy, None, None, "scores"):
-        # bf16 exp of bf16(S - m), then the finite fill's hidden entries 0 (with the -inf fill,
-        # exp gives 0 there by itself): one pass where numerics.bf16_softmax covers the tile
-        p = bf16_softmax.p_from_max_(s, m_safe, None if fill == float("-inf") else th)
+    if _fused_chain(policy, None, None, "scores"):
+        # exp(S - m) and the hidden entries as below: one pass where numerics.fused_softmax covers the tile
+        p = fused_softmax.p_from_max_(s, m_safe, th, fill)
         if p is not None:
             return p
     x = _rounded(s.sub_(m_safe), policy.scores)
@@ -338,11 +338,13 @@ def _cat(tiles) -> torch.Tensor:
     return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-2)
 
 
-def _p_tile(ops, q, k, lse_i, hide, bias, causal, q0, q1, k0, k1, scale, policy, softcap=None):
+def _p_tile(ops, q, k, lse_i, hide, bias, causal, q0, q1, k0, k1, scale, policy, softcap=None, pbar=False):
     """Recompute P = exp(S - lse) for one tile in the ``p`` format (masked entries 0: they
-    are -inf before exp; lse is never -inf, empty rows carry +inf). Also returns the soft-cap
-    derivative 1 - tanh^2 in the ``p`` format (None without soft-capping). A GPU exp2 form
-    (FA2 / FA3) recomputes P in its own form: exp2(u c - fp32(lse log2 e)), then rounded to ``p``."""
+    are -inf before exp; lse is never -inf, empty rows carry +inf). Returns (P, the soft-cap
+    derivative 1 - tanh^2 in the ``p`` format or None without soft-capping, P rounded to bf16 and
+    held in fp32 or None): with ``pbar`` a fused fp32 pass (numerics.fused_softmax) gives that dV
+    operand too, where it runs. A GPU exp2 form (FA2 / FA3) recomputes P in its own form:
+    exp2(u c - fp32(lse log2 e)), then rounded to ``p``."""
     gpu = _exp2_steps(policy, scale, bias, softcap)
     if gpu is not None and gpu.backward_exp2:
         s, t, raw = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap, want_tanh=True, want_raw=True)
@@ -351,18 +353,19 @@ def _p_tile(ops, q, k, lse_i, hide, bias, causal, q0, q1, k0, k1, scale, policy,
         th = _tile_hidden(hide, causal, q0, q1, k0, k1, q.device)
         if th is not None:
             th.fill_(u, float("-inf"))
-        return cast(gpu.p_from_lse(u, lse_i), policy.p), dcap
-    if _bf16_chain(policy, bias, softcap, "scores", "p"):
-        # exp(bf16(bf16(q k^T * scale) - lse)), hidden scores -inf: one pass where
-        # numerics.bf16_softmax covers the tile, else the same steps as torch ops
+        return cast(gpu.p_from_lse(u, lse_i), policy.p), dcap, None
+    if _fused_chain(policy, bias, softcap, "scores", "p"):
+        # exp(round(q k^T * scale) - lse), hidden scores -inf: one pass where
+        # numerics.fused_softmax covers the tile, else the same steps as torch ops
         s = _qk(ops, q, k, q0, q1, k0, k1, policy.scores)
         th = _tile_hidden(hide, causal, q0, q1, k0, k1, q.device)
-        if bf16_softmax.p_from_lse_(s, lse_i, scale, th) is not None:
-            return s, None
+        out = torch.empty_like(s) if pbar else None
+        if fused_softmax.p_from_lse_(s, lse_i, scale, th, out) is not None:
+            return s, None, out
         s = _rounded(s.mul_(scale), policy.scores)
         if th is not None:
             th.fill_(s, float("-inf"))
-        return _exp_hidden_(_rounded(s.sub_(lse_i), policy.p), th, lse_i, policy.p), None
+        return _exp_hidden_(_rounded(s.sub_(lse_i), policy.p), th, lse_i, policy.p), None, None
     s, t = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap, want_tanh=True)
     dcap = None if t is None else cast(1.0 - cast(t * t, policy.p), policy.p)
     th = _tile_hidden(hide, causal, q0, q1, k0, k1, q.device)
@@ -374,7 +377,34 @@ def _p_tile(ops, q, k, lse_i, hide, bias, causal, q0, q1, k0, k1, scale, policy,
         p = _exp_hidden_(cast(s - lse_i, policy.p), th, lse_i, policy.p)  # a fresh tensor
     else:
         p = cast(torch.exp(cast(s - lse_i, policy.p)), policy.p)
-    return p, dcap
+    return p, dcap, None
+
+
+def _fold_bf16(fmt, partial, p_fmt) -> bool:
+    """Whether a fused fp32 pass may also round its result to ``fmt`` for the next matmul: ``fmt``
+    bf16 (native), taken by the matmul in fp32 (``partial``), from fp32 P (numerics.fused_softmax:
+    P.to(bf16).to(fp32) in the same pass)."""
+    return (fmt.torch_dtype == torch.bfloat16 and fmt.is_native and partial.torch_dtype == torch.float32
+            and p_fmt.torch_dtype == torch.float32)
+
+
+def _ds_operand(p, dp, delta_rows, dcap, scale, fold: bool, policy: PrecisionPolicy) -> torch.Tensor:
+    """dS = (P * scale) * (dP - delta) of a tile, each op rounded to the p format, in place in p
+    (``scale`` None: ds_scale="accumulator", dS = P * (dP - delta), the scale goes on the finished
+    dQ / dK), times the soft-cap derivative ``dcap`` if any; returned as the dQ / dK matmul
+    operand (rounded to ``policy.ds``, in the grad_partial dtype). One fused pass where
+    numerics.fused_softmax covers the tile (``fold``: it also rounds to bf16)."""
+    if dcap is None and _fused_chain(policy, None, None, "dp", "p"):
+        ds = fused_softmax.ds_(p, dp, delta_rows, scale, round_bf16=fold)
+        if ds is not None:
+            return ds if fold else _operand(cast(ds, policy.ds), policy.grad_partial)
+    dp_minus = cast(_rounded(dp.sub_(delta_rows), policy.dp), policy.p)
+    if scale is not None:
+        p = _rounded(p.mul_(scale), policy.p)
+    ds = _rounded(p.mul_(dp_minus), policy.p)
+    if dcap is not None:  # through the soft-cap: d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+        ds = _rounded(ds.mul_(dcap), policy.p)
+    return _operand(cast(ds, policy.ds), policy.grad_partial)
 
 
 def _rowsum_product(a, b, policy):
@@ -408,7 +438,7 @@ def delta_preprocess(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, 
         for k0, k1 in tile_ranges(k.shape[-2], block_k):
             if causal and k0 > q1 - 1:
                 break  # hidden tiles contribute exactly zero
-            p, _ = _p_tile(ops, q, k, lse[..., q0:q1, :], hide, bias, causal, q0, q1, k0, k1, scale, policy,
+            p, _, _ = _p_tile(ops, q, k, lse[..., q0:q1, :], hide, bias, causal, q0, q1, k0, k1, scale, policy,
                            softcap)
             dp = ops.mm(ops.tile(do, q0, q1, out_fmt=policy.dp), ops.tile(v, k0, k1, transpose=True, out_fmt=policy.dp),
                         policy.dp)
@@ -438,6 +468,9 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
     ops = _Operands()
     gp = policy.grad_partial
     scale_ds = policy.ds_scale == "operand"
+    # fp32 P and dS whose matmul operands are bf16 values held in fp32 (fa2): the fused passes round them
+    fold_pbar = dropout is None and policy.pbar_scale == 0 and _fold_bf16(policy.pbar, gp, policy.p)
+    fold_ds = _fold_bf16(policy.ds, gp, policy.p)
 
     def hidden(q0, q1, k0, k1):
         return causal and k0 > q1 - 1  # contributes exactly zero: skipped
@@ -468,9 +501,10 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
         for i, (q0, q1) in enumerate(q_tiles):
             if hidden(q0, q1, k0, k1):
                 continue
-            p, dcap = _p_tile(ops, q, k, lse[..., q0:q1, :], hide, bias, causal, q0, q1, k0, k1, scale, policy,
-                              softcap)
-            p_mm = _operand(pbar_operand(p, policy), policy.grad_partial)
+            p, dcap, p_mm = _p_tile(ops, q, k, lse[..., q0:q1, :], hide, bias, causal, q0, q1, k0, k1, scale,
+                                    policy, softcap, pbar=fold_pbar)
+            if p_mm is None:
+                p_mm = _operand(pbar_operand(p, policy), policy.grad_partial)
             if dropout is not None:
                 kt = dropout.keep(q0, q1, k0, k1)
                 p_mm = torch.where(kt, p_mm, 0.0)  # 1 / (1 - p) applied to the finished dV_j
@@ -479,19 +513,7 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
                         policy.dp)
             if dropout is not None:
                 dp = _dropped_dp(dp, kt, dropout.scale, policy)
-            # dS = (P * scale) * (dP - delta), each op rounded to the p format, in place; with
-            # ds_scale="accumulator" dS = P * (dP - delta) and the scale goes on the finished dQ / dK
-            ds = None
-            if dcap is None and _bf16_chain(policy, None, None, "dp", "p") and dp.dtype == torch.bfloat16:
-                ds = bf16_softmax.ds_(p, dp, delta[..., q0:q1, :], scale if scale_ds else None)  # one pass, or None
-            if ds is None:
-                dp_minus = cast(_rounded(dp.sub_(delta[..., q0:q1, :]), policy.dp), policy.p)
-                if scale_ds:
-                    p = _rounded(p.mul_(scale), policy.p)
-                ds = _rounded(p.mul_(dp_minus), policy.p)
-            if dcap is not None:  # through the soft-cap: d(cap * tanh(x / cap)) / dx = 1 - tanh^2
-                ds = _rounded(ds.mul_(dcap), policy.p)
-            ds = _operand(cast(ds, policy.ds), policy.grad_partial)  # the matmul operand
+            ds = _ds_operand(p, dp, delta[..., q0:q1, :], dcap, scale if scale_ds else None, fold_ds, policy)
             dq_tiles[i] = accumulate(dq_tiles[i], ops.mm(ds, ops.tile(k, k0, k1, out_fmt=gp), gp))
             dk_j = accumulate(dk_j, ops.mm(ds.transpose(-2, -1), ops.tile(q, q0, q1, out_fmt=gp), gp))
         if not scale_ds:  # FA2 / FA3: the softmax scale on the finished fp32 accumulator

@@ -1,5 +1,6 @@
-/* The bf16 softmax passes of the emulated flash attention (attention/flash.py, bf16 scores, P and
- * dP: the study's arithmetic) fused into one pass each, with the bits of torch's own ops.
+/* The softmax passes of the emulated flash attention (attention/flash.py) fused into one pass each,
+ * with the bits of torch's own ops: the bf16 chains (bf16 scores, P and dP: the study's arithmetic)
+ * and, at the end of the file, the fp32 ones (fa2 and its kin).
  *
  * Each torch op on a bf16 tile widens to fp32, computes one IEEE fp32 operation and rounds to
  * bf16 to nearest even; a chain of them reads and writes the whole tile once per op. Here a chain
@@ -140,4 +141,102 @@ FG_AVX512 void fg_bf16_scale_fill(uint16_t *s, const uint8_t *hidden, int64_t pe
 
 #else
 int fg_bf16_softmax_set_exp(void *fn) { (void)fn; return 0; }
+#endif
+
+/* ---- the fp32 chains (fa2 and its kin: fp32 scores, P and dP). Every step is one IEEE fp32
+ * operation, as torch's; the exponential is torch's own for fp32 (MKL's vsExp, whose result for an
+ * element does not depend on the array it is in), called on row pieces of up to FG_PIECE values.
+ * Rows are whole 16-lane vectors (the Python side passes rows of whole 32-element steps). */
+
+typedef void (*fg_vsexp_t)(int, const float *, float *);
+static fg_vsexp_t fg_vsexp;
+#define FG_PIECE 1024
+
+int fg_f32_softmax_set_exp(void *fn) {
+    fg_vsexp = (fg_vsexp_t)fn;
+    return fn != NULL;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* P = exp(S' - shift) in place, S' = S * scale when do_scale, hidden entries of S' -inf when
+ * fill_neg_inf. hidden_zero: 1 = a hidden entry's P is +0 (the finite fill: set after exp);
+ * 2 = as torch's exp of -inf - shift, which is +0 where the row's shift is above -inf (those are
+ * set to 0 before and after the exponential, which never sees -inf there: MKL's exp is slow on it)
+ * and NaN elsewhere (left to the exponential). pbar: NULL, or where P rounded to bf16 and held in fp32
+ * goes (the matmul operand torch's cast and widening give). */
+FG_AVX512 void fg_f32_p(float *s, const float *shift, const uint8_t *hidden, int64_t period, float scale,
+                        int do_scale, int fill_neg_inf, int hidden_zero, float *pbar, int64_t w, int64_t r0,
+                        int64_t r1) {
+    float buf[FG_PIECE];
+    __mmask16 zero[FG_PIECE / 16];
+    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-__builtin_inff()), z = _mm512_setzero_ps();
+    for (int64_t r = r0; r < r1; r++) {
+        float *row = s + r * w;
+        const uint8_t *hrow = hidden ? hidden + (r % period) * w : NULL;
+        const float mf = shift[r];
+        const __m512 m = _mm512_set1_ps(mf);
+        /* torch's fp32 x - m is fma(m, -1, x) in its vector loop: where both are NaN the result is
+         * m's NaN, which x86 gives for m - x (the first operand's); elsewhere the two agree */
+        const int m_nan = mf != mf;
+        const int zero_hidden = hidden_zero == 1 || (hidden_zero == 2 && mf > -__builtin_inff());
+        for (int64_t j0 = 0; j0 < w; j0 += FG_PIECE) {
+            const int n = (int)(w - j0 < FG_PIECE ? w - j0 : FG_PIECE);
+            for (int j = 0; j < n; j += 16) {
+                __m512 x = _mm512_loadu_ps(row + j0 + j);
+                if (do_scale) x = _mm512_mul_ps(x, sc);
+                __mmask16 h = hrow ? hidden_lanes(hrow + j0 + j) : 0;
+                if (fill_neg_inf) x = _mm512_mask_blend_ps(h, x, ninf);
+                x = m_nan ? _mm512_sub_ps(m, x) : _mm512_sub_ps(x, m);
+                zero[j / 16] = zero_hidden ? h : 0;
+                _mm512_storeu_ps(buf + j, _mm512_mask_blend_ps(zero[j / 16], x, z));
+            }
+            fg_vsexp(n, buf, buf);
+            for (int j = 0; j < n; j += 16) {
+                __m512 p = _mm512_mask_blend_ps(zero[j / 16], _mm512_loadu_ps(buf + j), z);
+                _mm512_storeu_ps(row + j0 + j, p);
+                if (pbar) _mm512_storeu_ps(pbar + r * w + j0 + j, rnd(p));   /* P.to(bf16).to(fp32) */
+            }
+        }
+    }
+}
+
+/* dS = P' * (dP - delta), P' = P * scale when do_scale, into p (round_bf16: dS rounded to bf16 and
+ * held in fp32, the matmul operand torch's cast and widening give); dp is left as it is */
+FG_AVX512 void fg_f32_ds(float *p, const float *dp, const float *shift, float scale, int do_scale, int round_bf16,
+                         int64_t w, int64_t r0, int64_t r1) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t r = r0; r < r1; r++) {
+        float *prow = p + r * w;
+        const float *drow = dp + r * w;
+        const float df = shift[r];
+        const __m512 d = _mm512_set1_ps(df);
+        const int d_nan = df != df;   /* as m_nan in fg_f32_p */
+        for (int64_t j = 0; j < w; j += 16) {
+            __m512 g = _mm512_loadu_ps(drow + j);
+            __m512 dpm = d_nan ? _mm512_sub_ps(d, g) : _mm512_sub_ps(g, d);
+            __m512 x = _mm512_loadu_ps(prow + j);
+            if (do_scale) x = _mm512_mul_ps(x, sc);
+            /* where both factors are NaN torch's product keeps dP - delta's (its mul's first
+             * source operand); the compiler may order this product's operands either way */
+            __mmask16 both = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) & _mm512_cmp_ps_mask(dpm, dpm, _CMP_UNORD_Q);
+            __m512 ds = _mm512_mask_blend_ps(both, _mm512_mul_ps(x, dpm), dpm);
+            _mm512_storeu_ps(prow + j, round_bf16 ? rnd(ds) : ds);   /* dS.to(bf16).to(fp32) */
+        }
+    }
+}
+
+/* S = S * scale, hidden entries then ``fill``. In place. */
+FG_AVX512 void fg_f32_scale_fill(float *s, const uint8_t *hidden, int64_t period, float scale, float fill, int64_t w,
+                                 int64_t r0, int64_t r1) {
+    const __m512 sc = _mm512_set1_ps(scale), f = _mm512_set1_ps(fill);
+    for (int64_t r = r0; r < r1; r++) {
+        float *row = s + r * w;
+        const uint8_t *hrow = hidden ? hidden + (r % period) * w : NULL;
+        for (int64_t j = 0; j < w; j += 16) {
+            __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + j), sc);
+            if (hrow) x = _mm512_mask_blend_ps(hidden_lanes(hrow + j), x, f);
+            _mm512_storeu_ps(row + j, x);
+        }
+    }
+}
 #endif
