@@ -194,13 +194,16 @@ def _visible_scores(ops, q, k, bias, tile, scale: float, policy: PrecisionPolicy
     return s, raw
 
 
-def _tile_exp_(s, m_safe, th, fill, policy: PrecisionPolicy):
-    """P = exp(S - m) of a visible tile in the policy's exp (hidden entries 0); consumes ``s``."""
+def _tile_exp_(s, m_safe, th, fill, policy: PrecisionPolicy, pbar: bool = False):
+    """P = exp(S - m) of a visible tile in the policy's exp (hidden entries 0); consumes ``s``.
+    Returns (P, P rounded to bf16 and held in fp32 or None): with ``pbar`` a fused fp32 pass
+    (numerics.fused_softmax) gives that PV operand too, where it runs."""
     if _fused_chain(policy, None, None, "scores"):
         # exp(S - m) and the hidden entries as below: one pass where numerics.fused_softmax covers the tile
-        p = fused_softmax.p_from_max_(s, m_safe, th, fill)
+        out = torch.empty_like(s) if pbar else None
+        p = fused_softmax.p_from_max_(s, m_safe, th, fill, out)
         if p is not None:
-            return p
+            return p, out
     x = _rounded(s.sub_(m_safe), policy.scores)
     x_fast = _fast_exp_columns(x, policy)
     if th is None or fill == float("-inf"):
@@ -215,7 +218,7 @@ def _tile_exp_(s, m_safe, th, fill, policy: PrecisionPolicy):
         p_full[..., :x_fast.shape[-1]] = fexp_u20(x_fast)
         if th is not None:
             th.fill_(p_full, 0.0)
-    return p_full
+    return p_full, None
 
 
 def _tile_row_sum(pbar, p_full, policy: PrecisionPolicy):
@@ -274,6 +277,7 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
     hp_fmt = FP64 if storage_dtype(acc_fmt) == torch.float64 else FP32
     ops = _Operands()
     gpu = _exp2_steps(policy, scale, bias, softcap)
+    fold_pbar = observe is None and dropout is None and _fold_pbar(policy)
     rows = []   # per query tile: (O, lse, high-precision O or None)
     for q0, q1 in tile_ranges(Tq, block_q):
         n = q1 - q0
@@ -301,14 +305,15 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
             m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
             if observe is not None:
                 s_seen = s.clone()
-            f_gpu = None
+            f_gpu = pbar = None
             if fully_hidden:
                 p_full = torch.zeros_like(s)  # exp(fill - m) underflows, or is masked, everywhere
             elif gpu is not None:
                 p_full, f_gpu, m_u = _tile_exp_gpu(gpu, raw if raw is not None else s, row_max, m, m_new, m_u)
             else:
-                p_full = _tile_exp_(s, m_safe, th, fill, policy)  # consumes s
-            pbar = pbar_operand(p_full, policy)
+                p_full, pbar = _tile_exp_(s, m_safe, th, fill, policy, fold_pbar)  # consumes s
+            if pbar is None:
+                pbar = pbar_operand(p_full, policy)
             tile_sum = _tile_row_sum(pbar, p_full, policy)
             if dropout is not None and not fully_hidden:  # after l took the undropped row sum
                 pbar = torch.where(dropout.keep(q0, q1, k0, k1), pbar, 0.0)  # zeroing is exact in any format
@@ -405,6 +410,13 @@ def _ds_operand(p, dp, delta_rows, dcap, scale, fold: bool, policy: PrecisionPol
     if dcap is not None:  # through the soft-cap: d(cap * tanh(x / cap)) / dx = 1 - tanh^2
         ds = _rounded(ds.mul_(dcap), policy.p)
     return _operand(cast(ds, policy.ds), policy.grad_partial)
+
+
+def _fold_pbar(policy: PrecisionPolicy) -> bool:
+    """Whether the forward's fused fp32 pass may give the PV operand P-bar itself, bf16 held in
+    fp32 (fa2): unscaled, and a row sum of P-bar, if the policy takes one, is the same in fp32."""
+    return (policy.pbar_scale == 0 and _fold_bf16(policy.pbar, policy.pv, policy.p)
+            and (not policy.row_sum_rounded or storage_dtype(policy.stats) == torch.float32))
 
 
 def _rowsum_product(a, b, policy):

@@ -77,10 +77,19 @@ FG_AVX512 void fg_bf16_p_from_lse(uint16_t *s, const uint16_t *shift, const uint
         uint16_t *row = s + r * w;
         const uint8_t *hrow = hidden ? hidden + (r % period) * w : NULL;
         const __m512 m = row_value(shift, r);
+        /* exp(bf16(-inf - m)) is +0 unless m is NaN or -inf: a group of 16 hidden entries is then
+         * +0 without the exponential */
+        const float mf = _mm512_cvtss_f32(m);
+        const int zero_hidden = mf == mf && mf > -__builtin_inff();
         for (int64_t j = 0; j < w; j += 16) {
+            __mmask16 h = hrow ? hidden_lanes(hrow + j) : 0;
+            if (h == 0xFFFF && zero_hidden) {
+                memset(row + j, 0, 16 * sizeof(uint16_t));
+                continue;
+            }
             __m512 x = widen(row + j);
             if (do_scale) x = rnd(_mm512_mul_ps(x, sc));
-            if (hrow) x = _mm512_mask_blend_ps(hidden_lanes(hrow + j), x, ninf);
+            x = _mm512_mask_blend_ps(h, x, ninf);
             x = rnd(_mm512_sub_ps(x, m));
             store(row + j, fg_vexp(x));
         }
@@ -96,9 +105,13 @@ FG_AVX512 void fg_bf16_p_from_max(uint16_t *s, const uint16_t *shift, const uint
         const uint8_t *hrow = hidden ? hidden + (r % period) * w : NULL;
         const __m512 m = row_value(shift, r);
         for (int64_t j = 0; j < w; j += 16) {
+            __mmask16 h = hrow ? hidden_lanes(hrow + j) : 0;
+            if (h == 0xFFFF) {   /* all set to +0 after the exponential: it need not run */
+                memset(row + j, 0, 16 * sizeof(uint16_t));
+                continue;
+            }
             __m512 p = fg_vexp(rnd(_mm512_sub_ps(widen(row + j), m)));
-            if (hrow) p = _mm512_mask_blend_ps(hidden_lanes(hrow + j), rnd(p), zero);
-            store(row + j, p);
+            store(row + j, _mm512_mask_blend_ps(h, p, zero));
         }
     }
 }
@@ -181,6 +194,7 @@ FG_AVX512 void fg_f32_p(float *s, const float *shift, const uint8_t *hidden, int
         const int zero_hidden = hidden_zero == 1 || (hidden_zero == 2 && mf > -__builtin_inff());
         for (int64_t j0 = 0; j0 < w; j0 += FG_PIECE) {
             const int n = (int)(w - j0 < FG_PIECE ? w - j0 : FG_PIECE);
+            int used = 0;   /* the exponential runs up to the last group not all set to +0 */
             for (int j = 0; j < n; j += 16) {
                 __m512 x = _mm512_loadu_ps(row + j0 + j);
                 if (do_scale) x = _mm512_mul_ps(x, sc);
@@ -188,9 +202,10 @@ FG_AVX512 void fg_f32_p(float *s, const float *shift, const uint8_t *hidden, int
                 if (fill_neg_inf) x = _mm512_mask_blend_ps(h, x, ninf);
                 x = m_nan ? _mm512_sub_ps(m, x) : _mm512_sub_ps(x, m);
                 zero[j / 16] = zero_hidden ? h : 0;
+                if (zero[j / 16] != 0xFFFF) used = j + 16;
                 _mm512_storeu_ps(buf + j, _mm512_mask_blend_ps(zero[j / 16], x, z));
             }
-            fg_vsexp(n, buf, buf);
+            if (used) fg_vsexp(used, buf, buf);
             for (int j = 0; j < n; j += 16) {
                 __m512 p = _mm512_mask_blend_ps(zero[j / 16], _mm512_loadu_ps(buf + j), z);
                 _mm512_storeu_ps(row + j0 + j, p);
