@@ -3,6 +3,7 @@
     python benchmarks/attention.py                      # T = 1024 and 4096, all presets
     python benchmarks/attention.py --sizes 1024 --repeats 5
     python benchmarks/attention.py --reference /path/to/attention.py   # + the study's code
+    python benchmarks/attention.py --sizes 1024 --fallback             # + the C kernels off (NAME~fallback)
 
 Shape (B=2, H=12, T, D=64), bf16 inputs, causal. Every configuration is timed in the same
 process, interleaved round-robin (so that drift of a shared machine hits all alike), and the
@@ -16,6 +17,7 @@ with PASS / MISS.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -48,7 +50,27 @@ def load_reference_code(path):
     return lambda q, k, v: fn.apply(q, k, v, None, True, 512, 512)
 
 
+FALLBACK = "~fallback"   # NAME~fallback: NAME timed with FLASHGUARD_NATIVE=0 (numerics/native.py: no C kernels)
+FALLBACK_PRESETS = ("paper/none", "fa2/none", "paper-fp32fwd/none")   # --fallback's before/after pairs
+
+
+@contextlib.contextmanager
+def native_off(on: bool):
+    """FLASHGUARD_NATIVE=0 inside (the C kernels' PyTorch fallback), when ``on``."""
+    old = os.environ.get("FLASHGUARD_NATIVE")
+    if on:
+        os.environ["FLASHGUARD_NATIVE"] = "0"
+    try:
+        yield
+    finally:
+        if on and old is None:
+            del os.environ["FLASHGUARD_NATIVE"]
+        elif on:
+            os.environ["FLASHGUARD_NATIVE"] = old
+
+
 def make_fn(name: str, reference_path: str | None):
+    name = name.removesuffix(FALLBACK)   # the caller runs it under native_off
     if name == "sdpa":
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if name == "math":
@@ -129,6 +151,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="timed runs per configuration (T=4096 and up: half)")
     ap.add_argument("--reference", help="path to the study's attention.py, to time it too")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
+    ap.add_argument("--fallback", action="store_true",
+                    help="also time paper, fa2 and paper-fp32fwd with FLASHGUARD_NATIVE=0 (NAME~fallback): "
+                         "the C kernels' before and after, interleaved")
     ap.add_argument("--json", help="also write the results to this file")
     ap.add_argument("--_memory", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--_shape", nargs=3, type=int, help=argparse.SUPPRESS)  # B H D of a --_memory child
@@ -141,6 +166,8 @@ def main() -> None:
     names += [f"{p}/{s}" for p in PRESETS for s in STABILIZERS]
     for fix, base in FIXES.items():
         names += [n for n in (f"{base}/none", f"{fix}/none") if n not in names]
+    if args.fallback:
+        names += [n + FALLBACK for n in FALLBACK_PRESETS]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU {torch.backends.cpu.get_cpu_capability()}")
     results = {}
     for t in (int(x) for x in args.sizes.split(",")):
@@ -148,15 +175,18 @@ def main() -> None:
         fns = {n: make_fn(n, args.reference) for n in names}
         times = {n: [] for n in names}
         for n in names:  # warm-up
-            fwd_bwd(fns[n], q, k, v, do)
+            with native_off(n.endswith(FALLBACK)):
+                fwd_bwd(fns[n], q, k, v, do)
         for _ in range(args.repeats if t < 4096 else max(2, args.repeats // 2)):
             for n in names:
-                t0 = time.perf_counter()
-                fwd_bwd(fns[n], q, k, v, do)
-                times[n].append(time.perf_counter() - t0)
+                with native_off(n.endswith(FALLBACK)):
+                    t0 = time.perf_counter()
+                    fwd_bwd(fns[n], q, k, v, do)
+                    times[n].append(time.perf_counter() - t0)
         med = {n: statistics.median(ts) for n, ts in times.items()}
         best = {n: min(ts) for n, ts in times.items()}
-        mem = {} if args.no_memory else {n: measure_memory(n, t, args.reference) for n in names}
+        mem = {} if args.no_memory else {n: measure_memory(n, t, args.reference) for n in names
+                                         if not n.endswith(FALLBACK)}
         print(f"\n(B={B}, H={H}, T={t}, D={D}) bf16 causal, forward+backward, {len(times['sdpa'])} runs each")
         print(f"{'config':<36}{'median s':>9}{'x SDPA':>8}{'min s':>8}{'x none':>8}{'peak MiB':>10}{'x math':>8}")
         for n in names:
@@ -164,7 +194,7 @@ def main() -> None:
             base = best.get(FIXES.get(pol, pol) + "/none") if "/" in n else None
             line = f"{n:<36}{med[n]:>9.3f}{med[n] / med['sdpa']:>8.2f}{best[n]:>8.3f}"
             line += f"{best[n] / base:>8.3f}" if base else f"{'':>8}"
-            if mem:
+            if n in mem:
                 line += f"{mem[n]:>10.0f}{mem[n] / max(mem['math'], 1e-9):>8.2f}"
             print(line)
         results[t] = {"median_s": med, "min_s": best, "times_s": times, "peak_mib": mem}

@@ -10,7 +10,9 @@ time-split-1thread.json (time_split.py), train-cpu-1thread.json (train.py), diag
 1thread.json (diagnostics.py), scaling-cpu-1thread.json (scaling.py), and the C kernels' before
 and after: time-split-torch-cpu-1thread.json (time_split.py --tag torch-cpu, with torch-cpu~fallback
 beside torch-cpu), bf16-gemm-1thread.json (bf16_gemm.py, on a CPU without AVX-512) and
-allocator-1thread.json (allocator.py: freed memory kept, against glibc's defaults). A missing file leaves
+allocator-1thread.json (allocator.py: freed memory kept, against glibc's defaults); the fused
+softmax passes' before and after come from the attention JSON (attention.py --fallback: NAME~fallback
+beside NAME). A missing file leaves
 its targets "not measured". A target a CPU cannot meet is shown with its measured limit: the
 GEMM time alone (time_split.py), which no rearrangement of the elementwise work goes below.
 """
@@ -122,10 +124,37 @@ def before_after(split: dict | None, name: str = "torch-cpu", base: str = "sdpa"
             f"Attention forward+backward, B 2, H 12, T {split['t']}, D 64, bf16, causal, one thread, one run "
             f"(time_split.py: the mean of three profiled calls per config; `{name}~fallback` ran with "
             f"FLASHGUARD_NATIVE=0, the PyTorch fallback; the C kernels: {split['machine']['native']}). "
-            f"`{name}`: **{before['wall_ms'] / after['wall_ms']:.1f}x faster** with them. Only `torch-cpu` "
-            "(fexp_u20) and the GPU presets' exp2 steps (fma32) use them, with bit-identical outputs "
-            "(tests/numerics/test_native.py, tests/train/test_loss_hash.py).", "",
+            f"`{name}`: **{before['wall_ms'] / after['wall_ms']:.1f}x faster** with them: its exponential "
+            "(fexp_u20) in C; the GPU presets' exp2 steps use fma32, and the bf16 and fp32 arithmetics the "
+            "fused softmax passes (above; `torch-cpu`'s own exponential keeps it out of them); outputs "
+            "bit-identical (tests/numerics/test_native.py, tests/train/test_loss_hash.py).", "",
             markdown_table(["config", "wall ms", "x SDPA"], rows), ""]
+
+
+def fused_section(att: dict | None, split: dict | None) -> list[str]:
+    """The C kernels' before/after for the emulated arithmetics (numerics/fused_softmax.py above
+    all) from attention.py --fallback: ``NAME~fallback`` (FLASHGUARD_NATIVE=0: torch's ops)
+    interleaved with ``NAME`` in one run; the GEMM time beside them from time_split.py."""
+    med = att["results"]["1024"]["median_s"] if att else {}
+    pairs = [n.removesuffix("~fallback") for n in med if n.endswith("~fallback") and n.removesuffix("~fallback") in med]
+    if not pairs or "sdpa" not in med:
+        return []
+    sp, b = _split(split, "attention"), med["sdpa"]
+    rows = []
+    for n in pairs:
+        gemm = sp.get(n.split("/")[0], {}).get("ms", {}).get("gemm")
+        rows.append([n.split("/")[0], f"{1e3 * med[n + '~fallback']:.0f} ms ({med[n + '~fallback'] / b:.2f}x)",
+                     f"{1e3 * med[n]:.0f} ms ({med[n] / b:.2f}x)", f"{med[n + '~fallback'] / med[n]:.2f}x",
+                     "-" if gemm is None else f"{gemm:.0f} ms"])
+    m = att["machine"]
+    return ["## Before and after: the fused softmax passes (numerics/fused_softmax.py)", "",
+            f"Attention forward+backward, B 2, H 12, T 1024, D 64, bf16, causal, one thread, on {m['cpu']} "
+            f"({m['capability']}): `python benchmarks/attention.py --fallback` (medians of interleaved runs, "
+            f"torch SDPA {1e3 * b:.0f} ms in the same run; before: FLASHGUARD_NATIVE=0, each softmax step a "
+            "torch op). The bits are the same (tests/numerics/test_fused_softmax.py, "
+            "tests/attention/test_paper_golden.py, tests/train/test_loss_hash.py). The GEMMs (time_split.py, "
+            "profiled) are what is left that the arithmetic fixes.", "",
+            markdown_table(["preset", "before (x SDPA)", "after (x SDPA)", "speed-up", "its GEMMs"], rows), ""]
 
 
 def bf16_section(data: dict | None) -> list[str]:
@@ -240,6 +269,11 @@ def readme_lines(sources: dict) -> str:
     if diag:
         out.append(f"- A probe of every layer costs {diag['probe_in_plain_steps']:.1f} plain steps "
                    f"({100 * diag['implied_overhead']['50']:.0f} % at `diagnostics_every=50`).")
+    med = att["results"]["1024"]["median_s"] if att else {}
+    done = [n for n in med if n + "~fallback" in med]
+    if done:
+        out.append("- The fused softmax passes (C, the same bits), forward+backward at that size: " + ", ".join(
+            f"`{n.split('/')[0]}` {1e3 * med[n + '~fallback']:.0f} -> {1e3 * med[n]:.0f} ms" for n in done) + ".")
     al = sources.get("allocator")
     if al:
         r = al["results"]
@@ -274,9 +308,11 @@ def main() -> int:
                "bf16 products": _load("bf16-gemm-1thread.json"), "allocator": _load("allocator-1thread.json")}
     rows = attention_rows(sources["attention"], sources["time split"]) + \
         other_rows(sources["train"], sources["diagnostics"], sources["scaling"], sources["time split"])
-    results = results_markdown(rows, {k: v for k, v in sources.items() if k not in ("bf16 products", "allocator")},
-                               before_after(sources["torch-cpu split"]) + allocator_section(sources["allocator"])
-                               + bf16_section(sources["bf16 products"]))
+    own_section = ("bf16 products", "allocator")   # each names its machine itself
+    results = results_markdown(rows, {k: v for k, v in sources.items() if k not in own_section},
+                               fused_section(sources["attention"], sources["time split"])
+                               + before_after(sources["torch-cpu split"])
+                               + allocator_section(sources["allocator"]) + bf16_section(sources["bf16 products"]))
     readme = README.read_text()
     if START not in readme or END not in readme:
         raise SystemExit(f"README.md has no {START} ... {END} block for the performance lines")

@@ -26,9 +26,7 @@ CPU, about twice a bf16 GEMM's time, since torch's CPU bmm has no bf16-in / fp32
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -41,7 +39,7 @@ from flashguard.utils.table import markdown_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import machine  # noqa: E402
-from attention import fwd_bwd, inputs, make_fn  # noqa: E402
+from attention import FALLBACK, fwd_bwd, inputs, make_fn, native_off  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ATTENTION = ("sdpa", "paper", "paper-fp32fwd", "fa2", "fp32")
@@ -81,24 +79,6 @@ def split(fn, repeats: int, calls: int = 3) -> dict:
     return {"wall_ms": wall, "ms": ms}
 
 
-FALLBACK = "~fallback"   # a preset named NAME~fallback runs with FLASHGUARD_NATIVE=0 (numerics/native.py)
-
-
-@contextlib.contextmanager
-def _native_off(on: bool):
-    """FLASHGUARD_NATIVE=0 inside (the C kernels' PyTorch fallback), when ``on``."""
-    old = os.environ.get("FLASHGUARD_NATIVE")
-    if on:
-        os.environ["FLASHGUARD_NATIVE"] = "0"
-    try:
-        yield
-    finally:
-        if on and old is None:
-            del os.environ["FLASHGUARD_NATIVE"]
-        elif on:
-            os.environ["FLASHGUARD_NATIVE"] = old
-
-
 def attention_table(presets, t: int, repeats: int, reference: "str | None" = None) -> dict:
     """The attention rows; with ``reference`` (the study's attention.py) a ``reference-code`` row,
     whose bf16 products are the very ones ``paper`` must run to give its bits."""
@@ -107,7 +87,7 @@ def attention_table(presets, t: int, repeats: int, reference: "str | None" = Non
     for p in [*presets, *(["reference-code"] if reference else [])]:
         name, fallback = p.removesuffix(FALLBACK), p.endswith(FALLBACK)
         fn = make_fn(name if name in ("sdpa", "reference-code") else f"{name}/none", reference)
-        with _native_off(fallback):
+        with native_off(fallback):
             out[p] = split(lambda fn=fn: fwd_bwd(fn, q, k, v, do), repeats)
     return out
 
