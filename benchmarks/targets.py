@@ -6,7 +6,8 @@ benchmarks wrote. Nothing is timed here.
     python benchmarks/targets.py --check    # exit 1 if either file is out of date
 
 Reads (one thread): attention-cpu-1thread.json (benchmarks/attention.py --reference ...),
-time-split-1thread.json (time_split.py), train-cpu-1thread.json (train.py), diagnostics-cpu-
+time-split-1thread.json (time_split.py), train-cpu-1thread.json (train.py), natural-arm-1thread.json
+(natural_arm.py), diagnostics-cpu-
 1thread.json (diagnostics.py), scaling-cpu-1thread.json (scaling.py), and the C kernels' before
 and after: time-split-torch-cpu-1thread.json (time_split.py --tag torch-cpu, with torch-cpu~fallback
 beside torch-cpu), bf16-gemm-1thread.json (bf16_gemm.py, on a CPU without AVX-512) and
@@ -80,6 +81,20 @@ def attention_rows(att: dict | None, split: dict | None) -> list[list[str]]:
         ["paper >= 2x faster than the study's reference code", _fmt(ref, "x"), _verdict(ref, 2.0, False),
          ref_limit()],
     ]
+
+
+def natural_row(nat: dict | None) -> list[list[str]]:
+    """The natural arm's target (benchmarks/natural_arm.py): minutes of a 1,000-step arm per arm."""
+    if not nat:
+        return [["natural arm (nat512: 1,000 steps, probes every 50) <= 20 min on one core", "-", "not measured", "-"]]
+    res = nat["results"]
+    arms = {n: r["minutes_per_1000"] for n, r in res.items() if not n.endswith("~fallback")}
+    before = {n: res[n + "~fallback"]["minutes_per_1000"] for n in arms if n + "~fallback" in res}
+    met = [n for n, m in arms.items() if m <= 20]
+    verdict = "met" if len(met) == len(arms) else (f"met by {', '.join(met)}" if met else "not met")
+    text = ", ".join(f"{n} {m:.1f} min" + (f" ({before[n]:.1f} without the C kernels and kept memory)"
+                                            if n in before else "") for n, m in arms.items())
+    return [["natural arm (nat512: 1,000 steps, probes every 50) <= 20 min on one core", text, verdict, "-"]]
 
 
 def other_rows(train: dict | None, diag: dict | None, scaling: dict | None, split: dict | None) -> list[list[str]]:
@@ -266,6 +281,12 @@ def readme_lines(sources: dict) -> str:
         out.append(f"- `torch-cpu` (the model of torch's CPU kernel) forward+backward at that size: "
                    f"{tc['torch-cpu']['wall_ms'] / tc['sdpa']['wall_ms']:.1f}x SDPA with the C kernels, "
                    f"{tc['torch-cpu~fallback']['wall_ms'] / tc['sdpa']['wall_ms']:.1f}x in their PyTorch fallback.")
+    nat = sources.get("natural arm")
+    if nat:
+        res = nat["results"]
+        out.append("- A natural-preconditions arm (nat512's set-up: tiny-cpu at T 512, 1,000 steps, probes every 50) "
+                   "on one core: " + ", ".join(f"{n} {r['minutes_per_1000']:.0f} min" for n, r in res.items()
+                                               if not n.endswith("~fallback")) + ".")
     if diag:
         out.append(f"- A probe of every layer costs {diag['probe_in_plain_steps']:.1f} plain steps "
                    f"({100 * diag['implied_overhead']['50']:.0f} % at `diagnostics_every=50`).")
@@ -305,9 +326,11 @@ def main() -> int:
                "train": _load("train-cpu-1thread.json"), "diagnostics": _load("diagnostics-cpu-1thread.json"),
                "scaling": _load("scaling-cpu-1thread.json"),
                "torch-cpu split": _load("time-split-torch-cpu-1thread.json"),
+               "natural arm": _load("natural-arm-1thread.json"),
                "bf16 products": _load("bf16-gemm-1thread.json"), "allocator": _load("allocator-1thread.json")}
     rows = attention_rows(sources["attention"], sources["time split"]) + \
-        other_rows(sources["train"], sources["diagnostics"], sources["scaling"], sources["time split"])
+        other_rows(sources["train"], sources["diagnostics"], sources["scaling"], sources["time split"]) + \
+        natural_row(sources["natural arm"])
     own_section = ("bf16 products", "allocator")   # each names its machine itself
     results = results_markdown(rows, {k: v for k, v in sources.items() if k not in own_section},
                                fused_section(sources["attention"], sources["time split"])
