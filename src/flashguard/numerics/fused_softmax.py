@@ -22,14 +22,14 @@ scalar code (``std::exp``), which is not modelled; the bf16 passes run on CPUs w
 AVX-512 kernels. For fp32 tiles (fa2 and its kin) each step is one IEEE operation, and the
 exponential is torch's own for fp32, MKL's ``vsExp`` (the same bits for an element whatever array
 it is in); torch's scalar tail differs from its vector loop only in which NaN x - m keeps when both
-are NaN. Both take only tiles whose rows are whole steps of torch's loop (64 bf16, 32 fp32) and
-whose thread chunks start on a row.
+are NaN, and in the bits a NaN converts to in bf16. Both take only tiles whose rows are whole
+64-element steps of torch's loops and whose thread chunks start on a row. A hidden mask must be one
+(n, w) mask shared by every batch entry and head (the causal mask).
 
-With fp32 tiles two passes can also give the next step's matmul operand: ``p_from_lse_(...,
-pbar=out)`` writes P rounded to bf16 and held in fp32 (``P.to(bf16).to(fp32)``: fa2's P-bar
-operand of dV = P-bar^T dO), and ``ds_(..., round_bf16=True)`` leaves dS so rounded (the operand
-of dQ and dK), two passes and two tiles fewer each. A hidden
-mask must be one (n, w) mask shared by every batch entry and head (the causal mask).
+With fp32 tiles the passes can also give the next step's matmul operand: ``p_from_max_`` and
+``p_from_lse_`` with ``pbar=out`` write P rounded to bf16 and held in fp32 (``P.to(bf16).to(fp32)``:
+fa2's P-bar operand of PV and of dV = P-bar^T dO), and ``ds_(..., round_bf16=True)`` leaves dS so
+rounded (the operand of dQ and dK): a cast and a widening copy of the tile fewer each.
 
 Each function returns None where its pass does not apply, the tile untouched, and the caller runs
 its torch ops. Never under a Python dispatch mode (torch.compile's tracing, the golden tests'
