@@ -146,12 +146,17 @@ def before_after(split: dict | None, name: str = "torch-cpu", base: str = "sdpa"
             markdown_table(["config", "wall ms", "x SDPA"], rows), ""]
 
 
+def _fallback_pairs(med: dict) -> list[str]:
+    """The configs timed both as NAME and as NAME~fallback (attention.py --fallback)."""
+    return [n for n in med if n + "~fallback" in med]
+
+
 def fused_section(att: dict | None, split: dict | None) -> list[str]:
     """The C kernels' before/after for the emulated arithmetics (numerics/fused_softmax.py above
     all) from attention.py --fallback: ``NAME~fallback`` (FLASHGUARD_NATIVE=0: torch's ops)
     interleaved with ``NAME`` in one run; the GEMM time beside them from time_split.py."""
     med = att["results"]["1024"]["median_s"] if att else {}
-    pairs = [n.removesuffix("~fallback") for n in med if n.endswith("~fallback") and n.removesuffix("~fallback") in med]
+    pairs = _fallback_pairs(med)
     if not pairs or "sdpa" not in med:
         return []
     sp, b = _split(split, "attention"), med["sdpa"]
@@ -291,7 +296,7 @@ def readme_lines(sources: dict) -> str:
         out.append(f"- A probe of every layer costs {diag['probe_in_plain_steps']:.1f} plain steps "
                    f"({100 * diag['implied_overhead']['50']:.0f} % at `diagnostics_every=50`).")
     med = att["results"]["1024"]["median_s"] if att else {}
-    done = [n for n in med if n + "~fallback" in med]
+    done = _fallback_pairs(med)
     if done:
         out.append("- The fused softmax passes (C, the same bits), forward+backward at that size: " + ", ".join(
             f"`{n.split('/')[0]}` {1e3 * med[n + '~fallback']:.0f} -> {1e3 * med[n]:.0f} ms" for n in done) + ".")

@@ -182,9 +182,9 @@ def _visible_scores(ops, q, k, bias, tile, scale: float, policy: PrecisionPolicy
     elif _fused_chain(policy, bias, softcap, "scores"):
         # round(q k^T * scale), then the fill: one pass where numerics.fused_softmax covers the tile
         s = _qk(ops, q, k, q0, q1, k0, k1, policy.scores)
-        if fused_softmax.scale_fill_(s, scale, th, fill) is not None:
-            return s, None
-        s = _rounded(s.mul_(scale), policy.scores)
+        if fused_softmax.scale_fill_(s, scale, th, fill) is None:
+            fused_softmax.torch_scale_fill_(s, scale, th, fill)  # the same steps as torch ops
+        return s, None
     else:
         s, _ = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap)  # (B, H, n, bk)
     if th is not None:
@@ -367,10 +367,7 @@ def _p_tile(ops, q, k, lse_i, hide, bias, causal, q0, q1, k0, k1, scale, policy,
         out = torch.empty_like(s) if pbar else None
         if fused_softmax.p_from_lse_(s, lse_i, scale, th, out) is not None:
             return s, None, out
-        s = _rounded(s.mul_(scale), policy.scores)
-        if th is not None:
-            th.fill_(s, float("-inf"))
-        return _exp_hidden_(_rounded(s.sub_(lse_i), policy.p), th, lse_i, policy.p), None, None
+        return fused_softmax.torch_p_from_lse_(s, lse_i, scale, th), None, None
     s, t = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap, want_tanh=True)
     dcap = None if t is None else cast(1.0 - cast(t * t, policy.p), policy.p)
     th = _tile_hidden(hide, causal, q0, q1, k0, k1, q.device)

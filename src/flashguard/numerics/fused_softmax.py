@@ -238,7 +238,8 @@ def ds_(p: torch.Tensor, dp: torch.Tensor, delta: torch.Tensor, scale: "float | 
     return p
 
 
-# --- the torch ops each pass stands for (attention/flash.py's steps): the check's reference
+# --- the torch ops each pass stands for: the check's reference, and attention/flash.py's steps
+# where a pass declines (native bf16 / fp32 formats, where rounding to the format is the op's own)
 
 def torch_scale_fill_(s, scale, hidden, fill):
     s.mul_(scale)

@@ -6,7 +6,7 @@
  * bf16 to nearest even; a chain of them reads and writes the whole tile once per op. Here a chain
  * runs lane by lane in registers with the same roundings between its steps. The exponential is
  * torch's own vector exponential (Sleef_expf16_u10, called through the pointer that
- * numerics/bf16_softmax.py takes from torch's library), which torch's bf16 exp applies to every
+ * numerics/fused_softmax.py takes from torch's library), which torch's bf16 exp applies to every
  * element of a loop whose length is a multiple of its 64-element step: the Python side uses these
  * kernels only where torch's loops have no scalar tail, and checks them against torch's ops over
  * every bf16 bit pattern before the first use.
@@ -159,7 +159,7 @@ int fg_bf16_softmax_set_exp(void *fn) { (void)fn; return 0; }
 /* ---- the fp32 chains (fa2 and its kin: fp32 scores, P and dP). Every step is one IEEE fp32
  * operation, as torch's; the exponential is torch's own for fp32 (MKL's vsExp, whose result for an
  * element does not depend on the array it is in), called on row pieces of up to FG_PIECE values.
- * Rows are whole 16-lane vectors (the Python side passes rows of whole 32-element steps). */
+ * Rows are whole 16-lane vectors (the Python side passes rows of whole 64-element steps). */
 
 typedef void (*fg_vsexp_t)(int, const float *, float *);
 static fg_vsexp_t fg_vsexp;
