@@ -147,18 +147,26 @@ def test_arithmetic_holds_flash_options():
     assert a.label == "paper / safe 4x4 softcap=2" and b.label == "paper / safe 4x4"
 
 
-@pytest.mark.parametrize("arith", ["paper", "black box"])
+STOCHASTIC = "paper[pv=e8m4,o_accum=e8m4,grad_accum=e8m4,rounding=stochastic]"
+
+
+@pytest.mark.parametrize("arith", ["paper", "fa2", "fa2-fp16", "fa2-e4m3-pscaled", "torch-cpu", STOCHASTIC,
+                                   "black box"])
 def test_grads_dq_measures_dq_alone_and_the_same(arith):
     """grads="dq" (what the probes ask): dQ and its reference bit for bit as with all three
-    gradients, dK and dV not measured; a bad value is named."""
+    gradients, dK and dV not measured (a flash backward skips them where it rounds to nearest;
+    under stochastic rounding it computes them, so that dQ's draws stay those of training); a bad
+    value is named."""
     q, k, v, do = _inputs(2, 2, 70, 70, 24, seed=11, dtype=torch.bfloat16)
 
     def sdpa_math(q_, k_, v_):
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
             return F.scaled_dot_product_attention(q_, k_, v_, is_causal=True)
 
-    a = Arithmetic.of("paper", block_q=32, block_k=32) if arith == "paper" else sdpa_math
+    a = Arithmetic.of(arith, block_q=32, block_k=32) if arith != "black box" else sdpa_math
+    torch.manual_seed(5)
     full = trace(q, k, v, do, a, causal=True)
+    torch.manual_seed(5)
     only = trace(q, k, v, do, a, causal=True, grads="dq")
     assert torch.equal(only.dq, full.dq) and torch.equal(only.dq_ref, full.dq_ref)
     assert torch.equal(only.o, full.o) and torch.equal(only.delta_ref, full.delta_ref)
@@ -166,3 +174,20 @@ def test_grads_dq_measures_dq_alone_and_the_same(arith):
     assert full.dk_ref is not None and full.dv is not None
     with pytest.raises(ValueError, match="grads must be True, False or 'dq'"):
         trace(q, k, v, do, a, causal=True, grads="dk")
+
+
+@pytest.mark.parametrize("precision", ["paper", "fa2", "fa2-e4m3"])
+def test_run_backward_dq_only_is_dq_bit_for_bit_with_dropout_and_refused_under_stochastic_rounding(precision):
+    from flashguard.attention.dropout import TileDropout
+    from flashguard.attention.options import FlashOptions, run_backward, run_forward
+    q, k, v, do = _inputs(2, 3, 45, 45, 16, seed=4, dtype=torch.bfloat16)
+    opts = FlashOptions(precision=precision, block_q=16, block_k=32)
+    for dropout in (None, TileDropout((11, 7), 0.25, 2, 3, 45)):
+        fwd = run_forward(q, k, v, opts, causal=True, scale=0.3, dropout=dropout, do=do)
+        dq, dk, dv = run_backward(fwd, fwd.do, opts, causal=True, scale=0.3, dropout=dropout)
+        only = run_backward(fwd, fwd.do, opts, causal=True, scale=0.3, dropout=dropout, dq_only=True)
+        assert torch.equal(only[0], dq) and only[1:] == (None, None) and dk is not None and dv is not None
+    sr = FlashOptions(precision=STOCHASTIC, block_q=16, block_k=32)
+    fwd = run_forward(q, k, v, sr, causal=True, scale=0.3, do=do)
+    with pytest.raises(ValueError, match="dq_only.*stochastic"):
+        run_backward(fwd, fwd.do, sr, causal=True, scale=0.3, dq_only=True)

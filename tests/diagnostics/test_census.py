@@ -170,3 +170,22 @@ def test_report_has_the_census_section_of_the_run(micro_run, tmp_path):
     rows = table_dicts(table)
     assert [r["precondition"] for r in rows] == [p.name for p in PRECONDITIONS]
     assert all(r["verdict"].strip("*") in (PRESENT, WEAK, ABSENT) for r in rows), rows   # bold or plain
+
+
+@pytest.mark.parametrize("precision,stabilizer", [("paper", "none"), ("fa2", "none"), ("paper", "paper")])
+def test_the_census_riding_the_trace_forward_counts_what_a_forward_of_its_own_counts(precision, stabilizer):
+    """The probes count the tied keys in the trace's own forward (census.TiedKeyCounter as trace's
+    observe); tied_keys runs a forward of its own on the trace's rounded inputs: the same counts."""
+    from flashguard.diagnostics import shadow
+    g = torch.Generator().manual_seed(2)
+    q, k, v, do = (torch.randn(2, 3, 80, 16, generator=g).bfloat16() for _ in range(4))
+    q[..., :40, :] = 0          # rows whose scores are all equal: every visible key tied, at key 0 too
+    cap = LayerCapture(layer=0, q=q, k=k, v=v, do=do, causal=True,
+                       spec=AttentionSpec(backend="flash", precision=precision, stabilizer=stabilizer,
+                                          block_q=32, block_k=32))
+    sh = shadow(cap)
+    qi, ki, vi, _ = sh.trace.inputs
+    own = tied_keys(qi, ki, vi, sh.arithmetic, causal=True, scale=sh.scale)
+    assert float(own.tied.sum()) > 0 and float(own.agree.sum()) > 0
+    for field in ("pairs", "tied", "at_sink", "at_sink_chance", "agree"):
+        assert torch.equal(getattr(sh.tied_keys, field), getattr(own, field)), field

@@ -10,6 +10,7 @@ from diag_helpers import distinct_problem, tied_problem
 from flashguard.attention import flash_attention, reference_attention
 from flashguard.diagnostics import (LayerCapture, ProbeState, error_structure, map_dq_to_wq, probe_layer,
                                     shadow, weight_probe)
+from flashguard.diagnostics.probes import attention_metrics
 from flashguard.model import GPT, AttentionSpec, GPTConfig
 from flashguard.numerics import get_policy
 
@@ -70,6 +71,37 @@ def test_causal_mask_and_tiles_are_counted_per_visible_row(precision, block):
     assert m["numerics/pbar_one/L0"] == 1.0
     assert m["attn/max_logit/L0"] == 0.0
     assert m["attn/sink_mass/L0"] == pytest.approx(sum(1 / (i + 1) for i in range(1, T)) / (T - 1))
+
+
+def test_logit_and_sink_metrics_by_hand_and_against_the_full_probability_matrix():
+    """S = q k^T with q = I (scale 1), causal: key 0 holds row 1's maximum alone, row 2's tied with
+    key 2 (argmax's first index: key 0) and not row 3's; the largest |S| is a negative score, and
+    a hidden score (row 0's 9) counts for nothing."""
+    s = torch.tensor([[1., 9., 0., 0.],
+                      [2., 1., 0., 0.],
+                      [1., 0., 1., 0.],
+                      [0., 3., -5., 1.]])
+    q = torch.eye(4, dtype=torch.float64)[None, None]
+    k = s.T.contiguous().to(torch.float64)[None, None]   # S[i, j] = k_j[i]
+    v = torch.randn(1, 1, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cap = _cap(q, k, v, None, "fp64", causal=True, scale=1.0)
+    m = probe_layer(cap, grad=False)
+    assert m["attn/max_logit/L0"] == 5.0
+    assert m["attn/sink_top_frac/L0"] == pytest.approx(2 / 3)         # rows 1 and 2 of rows 1..3
+    lse = [torch.tensor(row[:i + 1], dtype=torch.float64).logsumexp(0) for i, row in enumerate(s.tolist())]
+    sink = sum(math.exp(s[i, 0] - lse[i]) for i in (1, 2, 3)) / 3
+    assert m["attn/sink_mass/L0"] == pytest.approx(sink, rel=1e-14)
+    # random scores: the same as read off the full matrix exp(S - lse)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 33, 8, generator=g) for _ in range(3))
+    sh = shadow(_cap(q, k, v, None, "fp32", causal=True), grad=False)
+    p = sh.probabilities()[..., 1:, :]
+    m = attention_metrics(sh)
+    for h in range(3):
+        assert m[f"attn/sink_mass/L0H{h}"] == pytest.approx(float(p[:, h, :, 0].mean()), rel=1e-14)
+        visible = sh.s[:, h][sh.s[:, h] > float("-inf")]
+        assert m[f"attn/max_logit/L0H{h}"] == float(visible.abs().max())
+    assert m["attn/sink_top_frac/L0"] == float((p.argmax(-1) == 0).double().mean())
 
 
 # ---------------------------------------------------------------------------- the study's bias
@@ -194,7 +226,7 @@ def test_shadow_reference_is_reference_attention_with_autograd():
         torch.testing.assert_close(sh.trace.o_ref, o.detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(sh.dq_hp, dq, rtol=1e-10, atol=1e-12)
         # the probabilities the sink metrics read are the reference's: rows sum to 1
-        torch.testing.assert_close(sh.p.sum(-1), torch.ones(2, 3, 20, dtype=torch.float64))
+        torch.testing.assert_close(sh.probabilities().sum(-1), torch.ones(2, 3, 20, dtype=torch.float64))
 
 
 def test_gradient_error_equals_flash_minus_reference_gradient_and_is_rank_one_for_one_input():

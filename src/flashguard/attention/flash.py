@@ -461,8 +461,12 @@ def delta_preprocess(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, 
 
 def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, scale: float,
                    policy: PrecisionPolicy, block_q: int, block_k: int, softcap: float | None = None,
-                   delta_hook=None, dropout: TileDropout | None = None):
+                   delta_hook=None, dropout: TileDropout | None = None, dq_only: bool = False):
     """Gradients (dq, dk, dv) in ``policy.grad_accum`` storage. ``do`` is rounded to inputs.
+
+    ``dq_only``: dK and dV are not computed (returned as None), which leaves dQ's bits as they
+    are only where no rounding draws random numbers (the caller's to check: under stochastic
+    rounding the skipped roundings would move dQ's draws).
 
     ``delta_hook``, if given, replaces the preprocess's delta before dS uses it: called as
     ``delta_hook(delta, q=, k=, v=, do=, keep=, bias=, causal=, scale=, softcap=)`` with the
@@ -478,7 +482,7 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
     gp = policy.grad_partial
     scale_ds = policy.ds_scale == "operand"
     # fp32 P and dS whose matmul operands are bf16 values held in fp32 (fa2): the fused passes round them
-    fold_pbar = dropout is None and policy.pbar_scale == 0 and _fold_bf16(policy.pbar, gp, policy.p)
+    fold_pbar = not dq_only and dropout is None and policy.pbar_scale == 0 and _fold_bf16(policy.pbar, gp, policy.p)
     fold_ds = _fold_bf16(policy.ds, gp, policy.p)
 
     def hidden(q0, q1, k0, k1):
@@ -512,19 +516,22 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
                 continue
             p, dcap, p_mm = _p_tile(ops, q, k, lse[..., q0:q1, :], hide, bias, causal, q0, q1, k0, k1, scale,
                                     policy, softcap, pbar=fold_pbar)
-            if p_mm is None:
-                p_mm = _operand(pbar_operand(p, policy), policy.grad_partial)
             if dropout is not None:
                 kt = dropout.keep(q0, q1, k0, k1)
-                p_mm = torch.where(kt, p_mm, 0.0)  # 1 / (1 - p) applied to the finished dV_j
-            dv_j = accumulate(dv_j, ops.mm(p_mm.transpose(-2, -1), ops.tile(do, q0, q1, out_fmt=gp), gp))
+            if not dq_only:
+                if p_mm is None:
+                    p_mm = _operand(pbar_operand(p, policy), policy.grad_partial)
+                if dropout is not None:
+                    p_mm = torch.where(kt, p_mm, 0.0)  # 1 / (1 - p) applied to the finished dV_j
+                dv_j = accumulate(dv_j, ops.mm(p_mm.transpose(-2, -1), ops.tile(do, q0, q1, out_fmt=gp), gp))
             dp = ops.mm(ops.tile(do, q0, q1, out_fmt=policy.dp), ops.tile(v, k0, k1, transpose=True, out_fmt=policy.dp),
                         policy.dp)
             if dropout is not None:
                 dp = _dropped_dp(dp, kt, dropout.scale, policy)
             ds = _ds_operand(p, dp, delta[..., q0:q1, :], dcap, scale if scale_ds else None, fold_ds, policy)
             dq_tiles[i] = accumulate(dq_tiles[i], ops.mm(ds, ops.tile(k, k0, k1, out_fmt=gp), gp))
-            dk_j = accumulate(dk_j, ops.mm(ds.transpose(-2, -1), ops.tile(q, q0, q1, out_fmt=gp), gp))
+            if not dq_only:
+                dk_j = accumulate(dk_j, ops.mm(ds.transpose(-2, -1), ops.tile(q, q0, q1, out_fmt=gp), gp))
         if not scale_ds:  # FA2 / FA3: the softmax scale on the finished fp32 accumulator
             dk_j = cast(dk_j * scale, acc)
         dk_tiles.append(dk_j)
@@ -533,4 +540,6 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
         dv_tiles.append(dv_j)
     if not scale_ds:
         dq_tiles = [cast(t * scale, acc) for t in dq_tiles]
+    if dq_only:
+        return _cat(dq_tiles), None, None
     return _cat(dq_tiles), _cat(dk_tiles), _cat(dv_tiles)

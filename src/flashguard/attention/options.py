@@ -258,9 +258,14 @@ def run_forward(q, k, v, options: FlashOptions, *, keep=None, bias=None, causal:
 
 
 def run_backward(fwd: Forward, do, options: FlashOptions, *, keep=None, bias=None, causal: bool, scale: float,
-                 dropout: TileDropout | None = None, delta_hook=None, dtypes=None) -> tuple:
+                 dropout: TileDropout | None = None, delta_hook=None, dtypes=None, dq_only: bool = False) -> tuple:
     """(dq, dk, dv) of ``run_forward``'s ``fwd`` for the output gradient ``do``, each converted to
-    ``dtypes`` (the inputs' dtypes; None: left in the policy's gradient storage)."""
+    ``dtypes`` (the inputs' dtypes; None: left in the policy's gradient storage). ``dq_only``:
+    (dq, None, None), dQ with the same bits, under a policy that rounds to nearest (ValueError
+    under stochastic rounding, where the skipped roundings would move dQ's draws)."""
+    if dq_only and options.precision.rounding != "nearest":
+        raise ValueError(f"run_backward: dq_only leaves dQ as it is only under rounding to nearest; "
+                         f"{options.precision.name} rounds {options.precision.rounding}")
     policy = options.precision
     block_q, block_k = options.tiles()
     o_hp = fwd.o_highp if policy.delta_source == "o_highp" else None
@@ -268,7 +273,7 @@ def run_backward(fwd: Forward, do, options: FlashOptions, *, keep=None, bias=Non
         grads = flash_backward(
             fwd.q, fwd.k, fwd.v, fwd.o, fwd.lse, do, o_hp, keep=keep, bias=bias, causal=causal, scale=scale,
             policy=policy, block_q=block_q, block_k=block_k, softcap=options.softcap, delta_hook=delta_hook,
-            dropout=dropout)
+            dropout=dropout, dq_only=dq_only)
     if dtypes is None:
         return grads
-    return tuple(g.to(dt) for g, dt in zip(grads, dtypes))
+    return tuple(None if g is None else g.to(dt) for g, dt in zip(grads, dtypes))

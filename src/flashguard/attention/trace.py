@@ -209,6 +209,17 @@ class _TieCounter:
         c.multi_one[..., rows] += n_one >= 2
 
 
+class _Both:
+    """Two ``observe`` callbacks of one forward, called in order with the same tile."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __call__(self, tile, **values):
+        self.first(tile, **values)
+        self.second(tile, **values)
+
+
 _GRADS = {True: ("dq", "dk", "dv"), "dq": ("dq",), False: ()}
 
 
@@ -252,7 +263,7 @@ def _reference(q, k, v, do, *, attn_mask, causal, scale, softcap, grads):
     return {n: (torch.cat(x) if x else None) for n, x in outs.items()}
 
 
-def _run_arithmetic(a: Arithmetic, q, k, v, do, *, attn_mask, causal, scale, grads):
+def _run_arithmetic(a: Arithmetic, q, k, v, do, *, attn_mask, causal, scale, grads, observe=None):
     opts = a.options
     policy = opts.precision
     keep, bias = split_mask(attn_mask)
@@ -261,6 +272,8 @@ def _run_arithmetic(a: Arithmetic, q, k, v, do, *, attn_mask, causal, scale, gra
                       block_k=block_k, softcap=opts.softcap)
     with torch.no_grad():
         if a.kernel == "triton":
+            if observe is not None:
+                raise ValueError("trace: observe reads the PyTorch kernel's tiles; the triton kernel shows none")
             from .triton_flash import triton_flash_attention
             with arithmetic_context(policy, q.device):
                 qc, kc, vc, doc = cast_inputs(policy, q.detach(), k.detach(), v.detach(),
@@ -275,8 +288,9 @@ def _run_arithmetic(a: Arithmetic, q, k, v, do, *, attn_mask, causal, scale, gra
                     out["delta"] = delta_preprocess(qc, kc, vc, cast(o, policy.output), None, doc, None, **delta_args)
             return out
         counter = _TieCounter(q.shape[:-1], causal, policy, opts.stabilizer, q.device)
+        observers = counter if observe is None else _Both(counter, observe)
         fwd = run_forward(q.detach(), k.detach(), v.detach(), opts, keep=keep, bias=bias, causal=causal, scale=scale,
-                          observe=counter, do=None if do is None else do.detach())
+                          observe=observers, do=None if do is None else do.detach())
         out = {"inputs": (fwd.q, fwd.k, fwd.v, fwd.do), "o": fwd.o, "lse": fwd.lse.squeeze(-1), "ties": counter.counts,
                "delta_source": policy.delta_source}
         if fwd.do is not None:
@@ -284,8 +298,10 @@ def _run_arithmetic(a: Arithmetic, q, k, v, do, *, attn_mask, causal, scale, gra
                 out["delta"] = delta_preprocess(fwd.q, fwd.k, fwd.v, fwd.o, fwd.lse, fwd.do, fwd.o_highp, **delta_args)
             if grads:
                 # what training hands on: the gradients in the dtype the inputs had
+                # dQ alone where that leaves its bits as they are (rounding to nearest: no draws to move)
+                dq_only = grads == "dq" and policy.rounding == "nearest"
                 dq, dk, dv = run_backward(fwd, fwd.do, opts, keep=keep, bias=bias, causal=causal, scale=scale,
-                                          dtypes=(q.dtype, k.dtype, v.dtype))
+                                          dtypes=(q.dtype, k.dtype, v.dtype), dq_only=dq_only)
                 out.update(dq=dq, **({} if grads == "dq" else dict(dk=dk, dv=dv)))
     return out
 
@@ -306,7 +322,8 @@ def _black_box(fn, q, k, v, do, grads):
 
 def trace(q, k, v, do=None, arithmetic: "Arithmetic | FlashOptions | str | object" = DEFAULT_PRECISION, *,
           causal: bool = False, scale: float | None = None, attn_mask: torch.Tensor | None = None,
-          softcap: float | None = None, grads: "bool | str" = True, label: str | None = None) -> Trace:
+          softcap: float | None = None, grads: "bool | str" = True, label: str | None = None,
+          observe=None) -> Trace:
     """Run ``arithmetic`` on (q, k, v) and, given ``do``, its backward; compare with fp64.
 
     q: (B, H, T_q, D), k: (B, H, T_k, D), v: (B, H, T_k, D_v), do: (B, H, T_q, D_v) or None.
@@ -317,7 +334,11 @@ def trace(q, k, v, do=None, arithmetic: "Arithmetic | FlashOptions | str | objec
     own; given, it is the arithmetic's (ValueError where the arithmetic has another).
     ``grads=False`` skips the gradients (delta is still measured given ``do``); ``grads="dq"``
     measures dQ only (the fp64 reference and a black box then skip dK and dV; a flash
-    arithmetic's backward computes all three, and dK, dV are left out of the trace).
+    arithmetic's backward too, unless it rounds stochastically: then it computes all three, so that
+    dQ's draws are those of training, and dK, dV are left out of the trace).
+    ``observe``: a further ``flash_forward`` observer, called on every tile of the arithmetic's
+    forward after trace's own tie counter (the census rides the same forward: one run, the same
+    roundings); only an Arithmetic on the PyTorch kernel shows its tiles (ValueError otherwise).
     """
     _wanted_grads(grads)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -339,8 +360,10 @@ def trace(q, k, v, do=None, arithmetic: "Arithmetic | FlashOptions | str | objec
             raise ValueError(f"trace: softcap={softcap!r}, but the arithmetic's is {arithmetic.softcap!r}")
         name = label or arithmetic.label()
         got = _run_arithmetic(Arithmetic(arithmetic.options.capped(softcap)), q, k, v, do, attn_mask=attn_mask,
-                              causal=causal, scale=scale, grads=grads)
+                              causal=causal, scale=scale, grads=grads, observe=observe)
     elif callable(arithmetic):
+        if observe is not None:
+            raise ValueError("trace: observe reads an Arithmetic's tiles; a callable (a black box) shows none")
         o, g = _black_box(arithmetic, q, k, v, do, grads)
         got = {"o": o, "dq": g[0], "dk": g[1], "dv": g[2], "inputs": (q, k, v, do)}
         if do is not None:

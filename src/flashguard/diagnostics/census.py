@@ -30,11 +30,12 @@ sequence share its keys, so the row z is the optimistic one and ``o_err_z`` / ``
 (sequence units) stay the conservative reading next to it.
 
 Which keys are tied needs the scores as the arithmetic rounded them, which ``trace`` does not
-return (it counts ties per row only). So the census runs the arithmetic's forward once more on
-the trace's rounded inputs (``options.run_forward``, as trace runs it: PyTorch kernel, same
-policy, stabilizer and tiles; no backward)
-and reads every tile through flash_forward's ``observe`` hook, the same hook trace counts ties
-through. Under a stochastic-rounding policy that forward draws its own roundings.
+return (it counts ties per row only). So the census reads every tile of the arithmetic's forward
+through flash_forward's ``observe`` hook (``TiedKeyCounter``), the hook trace counts ties through:
+the probes hand it to ``trace`` (its ``observe``), so that one forward counts both, with the same
+roundings under a stochastic-rounding policy; ``tied_keys`` runs a forward of its own
+(``options.run_forward`` on inputs already rounded: PyTorch kernel, same policy, stabilizer and
+tiles; no backward).
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ from ..attention.options import run_forward
 from ..attention.stabilizers import count_true
 from ..attention.trace import Arithmetic
 
-__all__ = ["TiedKeys", "tied_keys", "row_bias", "census_metrics"]
+__all__ = ["TiedKeys", "TiedKeyCounter", "tied_keys", "row_bias", "census_metrics"]
 
 
 @dataclass
@@ -62,13 +63,18 @@ class TiedKeys:
     agree: torch.Tensor      # sum over the tied pairs of their share of one-signed V features
 
 
-class _TiedKeyCounter:
-    """``observe`` callback of flash_forward: which keys hold each tile row's maximum."""
+class TiedKeyCounter:
+    """``observe`` callback of flash_forward: which keys hold each tile row's maximum. Rides any
+    forward of the arithmetic (``tied_keys`` runs its own; the probes pass it to ``trace``, whose
+    forward then counts both). The V-sign step needs V as the arithmetic rounded it, which the
+    forward's caller knows only once it ran: the tied rows' keys are kept per tile and
+    ``finish(v)`` counts their signs."""
 
-    def __init__(self, v: torch.Tensor, causal: bool):
-        self.v, self.causal = v, causal
-        z = lambda: torch.zeros(v.shape[1], dtype=torch.float64, device=v.device)  # noqa: E731
+    def __init__(self, heads: int, causal: bool, device=None):
+        self.causal = causal
+        z = lambda: torch.zeros(heads, dtype=torch.float64, device=device)  # noqa: E731
         self.counts = TiedKeys(z(), z(), z(), z(), z())
+        self._tied = []   # per tile with a tied row: (k0, k1, (b, h, row) of those rows, their at_max, n_max)
 
     def __call__(self, tile, *, s, hidden, row_max, **_):
         q0, q1, k0, k1 = tile
@@ -96,15 +102,29 @@ class _TiedKeyCounter:
             c.at_sink += per_head(tied & at_max[..., 0])
             chance = n_max.to(torch.float64) / n_visible.clamp(min=1).to(torch.float64)
             c.at_sink_chance += per_head(torch.where(tied, chance, torch.zeros_like(chance)))
-        # sum of sign(V) over the tied keys, per feature: |sum| == k exactly when all k tied keys
-        # have one (non-zero) sign. An fp32 matmul (the counts, <= the tile's keys, are exact) of
-        # the tied rows only, one (batch, head) at a time: ties are usually a few rows in a hundred.
-        signs = torch.sign(self.v[..., k0:k1, :].to(torch.float32))  # (B, H, bk, D)
-        for b, h in tied.any(dim=-1).nonzero().tolist():
-            rows = tied[b, h].nonzero().squeeze(1)
-            summed = at_max[b, h, rows].to(torch.float32) @ signs[b, h]            # (rows, D)
-            k = n_max[b, h, rows].unsqueeze(-1).to(torch.float32)
-            c.agree[h] += (summed.abs_() == k).to(torch.float64).mean(dim=-1).sum()
+        where = tied.nonzero(as_tuple=True)                          # ties are usually a few rows in a hundred
+        self._tied.append((k0, k1, where, at_max[where], n_max[where]))
+
+    def finish(self, v: torch.Tensor) -> TiedKeys:
+        """The counts, with ``agree`` from ``v`` (B, H, T_k, D_v) as the forward received it (rounded)."""
+        c = self.counts
+        heads, d_v = v.shape[1], v.shape[-1]
+        agreeing = torch.zeros(heads, dtype=torch.float64, device=v.device)   # one-signed features, a count
+        for k0, k1, (b, h, _), at_max, n_max in self._tied:
+            # sum of sign(V) over the tied keys, per feature: |sum| == k exactly when all k tied keys
+            # have one (non-zero) sign. An fp32 matmul (the counts, <= the tile's keys, are exact) of
+            # the tied rows of one (batch, head) at a time; nonzero() listed them grouped that way.
+            signs = torch.sign(v[..., k0:k1, :].to(torch.float32))            # (B, H, bk, D)
+            unit = b * heads + h
+            units, sizes = torch.unique_consecutive(unit, return_counts=True)
+            for u, rows in zip(units.tolist(), torch.arange(unit.numel(), device=v.device).split(sizes.tolist())):
+                summed = at_max[rows].to(torch.float32) @ signs[u // heads, u % heads]   # (rows, D)
+                k = n_max[rows].unsqueeze(-1).to(torch.float32)
+                agreeing[u % heads] += (summed.abs_() == k).sum()
+        # counts are exact; one division per head: the sum over the tied pairs of their share
+        c.agree += agreeing / d_v
+        self._tied = []
+        return c
 
 
 def tied_keys(q, k, v, arithmetic: Arithmetic, *, causal: bool, scale: float, softcap: float | None = None) -> TiedKeys:
@@ -112,10 +132,10 @@ def tied_keys(q, k, v, arithmetic: Arithmetic, *, causal: bool, scale: float, so
     its input format (``Trace.inputs``); the forward pass only, on the PyTorch kernel (``softcap``:
     None = the arithmetic's own)."""
     a = arithmetic if arithmetic.kernel == "pytorch" else arithmetic.replace(kernel="pytorch")
-    counter = _TiedKeyCounter(v, causal)
+    counter = TiedKeyCounter(v.shape[1], causal, v.device)
     with torch.no_grad():
         run_forward(q, k, v, a.options.capped(softcap), causal=causal, scale=scale, observe=counter, rounded=True)
-    return counter.counts
+    return counter.finish(v)
 
 
 def row_bias(err: torch.Tensor, *, feature_dim: bool = True) -> BiasStats:
@@ -149,8 +169,10 @@ def census_metrics(sh) -> dict:
 def _tied_key_metrics(sh) -> dict:
     """exact_tie_rate, tie_at_sink(_chance) and v_sign_agree of the shadow's arithmetic, per head and layer."""
     layer, t = sh.layer, sh.trace
-    q, k, v, _ = t.inputs
-    c = tied_keys(q, k, v, sh.arithmetic, causal=sh.causal, scale=sh.scale, softcap=sh.softcap)
+    c = sh.tied_keys
+    if c is None:  # a shadow made without the counts: one more forward of its arithmetic
+        q, k, v, _ = t.inputs
+        c = tied_keys(q, k, v, sh.arithmetic, causal=sh.causal, scale=sh.scale, softcap=sh.softcap)
     out = {}
     for h in range(c.pairs.shape[0]):
         out[keys.EXACT_TIE_RATE.key(layer, h)] = _share(c.tied[h], c.pairs[h])

@@ -103,7 +103,7 @@ from ..attention.triton_flash import forward_tiles
 from ..numerics.policy import PrecisionPolicy, get_policy
 from .capture import LayerCapture, resolve_layers
 from ..model.attention import AttentionSpec, attend
-from .census import census_metrics
+from .census import TiedKeyCounter, TiedKeys, census_metrics
 from .state import ProbeState
 
 __all__ = ["weight_probe", "spectral_norms", "Shadow", "shadow", "attention_metrics", "numerics_metrics",
@@ -154,15 +154,16 @@ def weight_probe(model, layers=None, *, step: int | None = None, state: ProbeSta
 
 @dataclass
 class Shadow:
-    """The layer's attention on one batch: the fp64 scores and probabilities (from the one
-    reference's lse) for the logit and sink metrics, and - for a layer with a policy - the
-    ``Trace`` of the policy's arithmetic against fp64 (errors of O, delta, dQ; ties per row)."""
+    """The layer's attention on one batch: the fp64 scores and the one reference's lse for the
+    logit and sink metrics, and - for a layer with a policy - the ``Trace`` of the policy's
+    arithmetic against fp64 (errors of O, delta, dQ; ties per row) and the census's tied keys,
+    counted in the same forward."""
 
     layer: int
     policy: PrecisionPolicy | None
     stabilizer: object | None
     s: torch.Tensor                    # (B, H, T, T) fp64 scores (after scale and soft-cap), masked = -inf
-    p: torch.Tensor                    # (B, H, T, T) fp64 probabilities exp(S - lse_fp64)
+    lse: torch.Tensor                  # (B, H, T) fp64 log-sum-exp of the reference
     keep: torch.Tensor | None          # (T, T) bool, True where visible (None: all)
     v_in: torch.Tensor                 # V as the arithmetic received it (rounded to its inputs)
     trace: Trace | None = None         # None for a layer without a policy
@@ -171,6 +172,11 @@ class Shadow:
     scale: float = 1.0                 # the attention scale the layer used
     softcap: float | None = None
     kernel: str | None = None          # KERNEL_LABEL when the trace measured the layer's SDPA kernel itself
+    tied_keys: TiedKeys | None = None  # the census's counts of the arithmetic's forward (None without one)
+
+    def probabilities(self) -> torch.Tensor:
+        """(B, H, T, T) fp64 exp(S - lse): the reference's attention weights (masked entries 0)."""
+        return torch.exp(self.s - self.lse.unsqueeze(-1))
 
     @property
     def delta_source(self) -> str | None:
@@ -250,16 +256,20 @@ def kernel_call(cap: LayerCapture):
 
 
 def _policy_trace(cap: LayerCapture, policy, stab, scale: float, grad: bool):
-    """The trace of the layer's flash arithmetic (kernel and tiles as it trains) and that arithmetic."""
+    """The trace of the layer's flash arithmetic (kernel and tiles as it trains), that arithmetic
+    and the census's tied keys, counted in the trace's own forward (census.TiedKeyCounter)."""
     arith = _trained_arithmetic(cap, policy, stab)
+    census = TiedKeyCounter(cap.q.shape[1], cap.causal, cap.q.device)
+    pytorch = arith.kernel == "pytorch"
     t = trace(cap.q, cap.k, cap.v, cap.do, arith, causal=cap.causal, scale=scale, softcap=cap.softcap,
-              grads="dq" if grad else False)
-    if t.ties is None:  # the triton kernel does not expose its tiles' maxima: count them on the
+              grads="dq" if grad else False, observe=census if pytorch else None)
+    counted = t
+    if not pytorch:  # the triton kernel does not expose its tiles' maxima: count them on the
         # PyTorch path with the same policy, stabilizer and tiles (forward only)
         counted = trace(cap.q, cap.k, cap.v, None, arith.replace(kernel="pytorch"),
-                        causal=cap.causal, scale=scale, softcap=cap.softcap, grads=False)
+                        causal=cap.causal, scale=scale, softcap=cap.softcap, grads=False, observe=census)
         t = dataclasses.replace(t, ties=counted.ties)
-    return t, arith
+    return t, arith, census.finish(counted.inputs[2])
 
 
 def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = True) -> Shadow:
@@ -274,7 +284,7 @@ def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = T
     dev = cap.q.device
     fork = torch.random.fork_rng(devices=[dev.index or 0] if dev.type == "cuda" else [])
     with torch.no_grad(), torch.autocast(dev.type, enabled=False), fork:
-        t = arith = kernel = None
+        t = arith = kernel = tied = None
         if policy is None and cap.backend == "sdpa":
             kernel = KERNEL_LABEL
             t = trace(cap.q, cap.k, cap.v, cap.do, kernel_call(cap), causal=cap.causal, scale=scale,
@@ -286,28 +296,32 @@ def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = T
             _, lse = reference_attention(q_in, k_in, v_in, is_causal=cap.causal, scale=scale, softcap=cap.softcap,
                                          return_lse=True)
         else:
-            t, arith = _policy_trace(cap, policy, stab, scale, grad)
+            t, arith, tied = _policy_trace(cap, policy, stab, scale, grad)
             q_in, k_in, v_in, _ = t.inputs
             lse = t.lse_ref
         s, keep = _scores64(q_in, k_in, causal=cap.causal, scale=scale, softcap=cap.softcap)
-        p = torch.exp(s - lse.to(torch.float64).unsqueeze(-1))
-        return Shadow(layer=cap.layer, policy=policy, stabilizer=stab, s=s, p=p, keep=keep, v_in=v_in, trace=t,
-                      arithmetic=arith, causal=cap.causal, scale=scale, softcap=cap.softcap, kernel=kernel)
+        return Shadow(layer=cap.layer, policy=policy, stabilizer=stab, s=s, lse=lse.to(torch.float64), keep=keep,
+                      v_in=v_in, trace=t, arithmetic=arith, causal=cap.causal, scale=scale, softcap=cap.softcap,
+                      kernel=kernel, tied_keys=tied)
 
 
 # --------------------------------------------------------------------------------------------
 # metrics from a shadow
 
 def attention_metrics(sh: Shadow) -> dict:
-    """Max |logit| and attention-sink indicators (fp64)."""
+    """Max |logit| and attention-sink indicators (fp64), from the scores and the reference's lse
+    alone: the weight on key 0 is exp(S[:, 0] - lse) and a row's largest weight is at key 0 when
+    its largest score is (exp is increasing), so the full probability matrix is never formed."""
     layer = sh.layer
-    s = sh.s if sh.keep is None else sh.s.masked_fill(~sh.keep, 0.0)
-    max_logit = s.abs_().amax(dim=(0, 2, 3)) if sh.keep is not None else s.abs().amax(dim=(0, 2, 3))  # (H,)
-    p = sh.p[..., 1:, :] if sh.keep is not None else sh.p          # rows that have a choice
-    if p.shape[-2] == 0:
-        p = sh.p
-    sink = p[..., 0].mean(dim=(0, 2))                              # (H,)
-    top_is_first = (p.argmax(dim=-1) == 0).to(torch.float64).mean()
+    s = sh.s                                                       # (B, H, T, T), hidden = -inf
+    row_max = s.amax(dim=-1)                                       # (B, H, T) over the visible keys
+    low = s if sh.keep is None else torch.where(sh.keep, s, float("inf"))
+    # max |S| over the visible entries: the largest score or minus the smallest
+    max_logit = torch.maximum(row_max.amax(dim=(0, 2)), low.amin(dim=(0, 2, 3)).neg_())   # (H,)
+    rows = slice(1, None) if sh.keep is not None and s.shape[-2] > 1 else slice(None)   # rows that have a choice
+    first = s[..., rows, 0]                                        # (B, H, rows)
+    sink = torch.exp(first - sh.lse[..., rows]).mean(dim=(0, 2))   # (H,)
+    top_is_first = (first == row_max[..., rows]).to(torch.float64).mean()
     out = {}
     for h in range(max_logit.shape[0]):
         out[keys.MAX_LOGIT.key(layer, h)] = float(max_logit[h])
