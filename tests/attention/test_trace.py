@@ -191,3 +191,30 @@ def test_run_backward_dq_only_is_dq_bit_for_bit_with_dropout_and_refused_under_s
     fwd = run_forward(q, k, v, sr, causal=True, scale=0.3, do=do)
     with pytest.raises(ValueError, match="dq_only.*stochastic"):
         run_backward(fwd, fwd.do, sr, causal=True, scale=0.3, dq_only=True)
+
+
+def test_scores_of_the_reference_are_the_softmax_input_and_kept_only_when_asked():
+    """trace(scores=True) keeps the reference's fp64 scores (scale, soft-cap, masks; hidden = -inf),
+    the very ones its softmax read: exp(S - lse) sums to 1 per row; chunked over the batch or not."""
+    import flashguard.attention.trace as trace_mod
+    q, k, v, do = _inputs(3, 2, 20, 24, 8, seed=2)
+    mask = torch.rand(1, 1, 20, 24, generator=torch.Generator().manual_seed(0)) > 0.3
+    mask[..., 0] = True
+    for softcap in (None, 4.0):
+        t = trace(q, k, v, do, "fp32", attn_mask=mask, softcap=softcap, scores=True)
+        s = (q.double() @ k.double().transpose(-2, -1)) * (1 / 8 ** 0.5)
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        assert torch.equal(t.s_ref, s.masked_fill(~mask, float("-inf")))
+        torch.testing.assert_close(torch.exp(t.s_ref - t.lse_ref.unsqueeze(-1)).sum(-1),
+                                   torch.ones(3, 2, 20, dtype=torch.float64))
+    assert trace(q, k, v, do, "fp32").s_ref is None
+    old = trace_mod._REF_CHUNK_ENTRIES
+    try:
+        trace_mod._REF_CHUNK_ENTRIES = 20 * 24 * 2   # one batch entry per chunk
+        chunked = trace(q, k, v, do, "fp32", causal=True, scores=True)
+    finally:
+        trace_mod._REF_CHUNK_ENTRIES = old
+    assert torch.equal(chunked.s_ref, trace(q, k, v, do, "fp32", causal=True, scores=True).s_ref)
+    with pytest.raises(ValueError, match="observe"):
+        trace(q, k, v, do, lambda q_, k_, v_: q_, observe=lambda *a, **kw: None)

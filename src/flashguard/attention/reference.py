@@ -33,6 +33,7 @@ def reference_attention(
     softcap: float | None = None,
     dropout_keep: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    return_scores: bool = False,
 ):
     """softmax(q k^T * scale + mask) v computed in ``dtype`` (fp64 by default).
 
@@ -42,6 +43,8 @@ def reference_attention(
     ``dropout_keep`` (bool, broadcastable to (..., T_q, T_k); True = kept) applies an explicit
     dropout mask after normalisation, O = (softmax * keep / (1 - dropout_p)) v, as SDPA's dropout
     does: the tests pass the mask flashguard's dropout regenerates (attention.dropout).
+    ``return_scores`` also returns, last, the scores the softmax read (..., T_q, T_k): after the
+    scale, soft-cap and masks, hidden entries -inf, detached (the probes' logit metrics read them).
     """
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -67,7 +70,9 @@ def reference_attention(
         p = p * (dropout_keep.to(dtype) * (0.0 if dropout_p >= 1 else 1.0 / (1.0 - dropout_p)))
     o = (p @ v) / torch.where(empty, torch.ones_like(l), l)
     o = o.masked_fill(empty, 0.0)
+    out = (o,)
     if return_lse:
-        lse = (torch.log(l) + m).squeeze(-1)
-        return o, lse
-    return o
+        out += ((torch.log(l) + m).squeeze(-1),)
+    if return_scores:
+        out += (s.detach(),)
+    return out[0] if len(out) == 1 else out

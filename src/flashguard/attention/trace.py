@@ -163,6 +163,7 @@ class Trace:
     dv_ref: torch.Tensor | None = None
     ties: TieCounts | None = None         # None for a black box
     inputs: tuple | None = None           # (q, k, v, dO) as the arithmetic received them (rounded)
+    s_ref: torch.Tensor | None = None     # (B, H, T_q, T_k) fp64 scores of the reference (trace(scores=True))
 
     @property
     def o_err(self):
@@ -194,10 +195,11 @@ class _TieCounter:
             vis_rows = torch.ones_like(tied)
             entries = torch.full(tied.shape, float(s.shape[-1]), dtype=torch.float64, device=s.device)
         else:
-            vis = ~hidden.expand(s.shape)
+            # counted on the mask as small as it comes (the causal one is (n, bk)), then broadcast
+            vis = ~hidden
             one = one & vis
-            vis_rows = vis.any(dim=-1)
-            entries = count_true(vis.contiguous()).squeeze(-1).to(torch.float64)
+            vis_rows = vis.any(dim=-1).expand(tied.shape)
+            entries = count_true(vis.contiguous()).squeeze(-1).to(torch.float64).expand(tied.shape)
             # a row with nothing visible has no maximum to repeat (its fill values are all equal)
             tied = tied & vis_rows
         n_one = count_true(one.contiguous()).squeeze(-1)
@@ -231,13 +233,14 @@ def _wanted_grads(grads) -> tuple:
         raise ValueError(f"trace: grads must be True, False or 'dq', got {grads!r}") from None
 
 
-def _reference(q, k, v, do, *, attn_mask, causal, scale, softcap, grads):
+def _reference(q, k, v, do, *, attn_mask, causal, scale, softcap, grads, scores=False):
     """fp64 O, lse, delta and (with grads) dQ, dK, dV of reference_attention (only dQ for
-    grads="dq"), chunked over the batch so that the score matrices stay bounded."""
+    grads="dq"), chunked over the batch so that the score matrices stay bounded; with ``scores``
+    also the fp64 scores (B, H, T_q, T_k)."""
     B = q.shape[0]
     per_batch = max(1, q[0].numel() // q.shape[-1] * k.shape[-2])
     step = max(1, _REF_CHUNK_ENTRIES // per_batch)
-    outs = {n: [] for n in ("o", "lse", "delta", "dq", "dk", "dv")}
+    outs = {n: [] for n in ("o", "lse", "delta", "dq", "dk", "dv", "s")}
     wanted = _wanted_grads(grads)
     for b0 in range(0, B, step):
         sl = slice(b0, b0 + step)
@@ -249,8 +252,9 @@ def _reference(q, k, v, do, *, attn_mask, causal, scale, softcap, grads):
         if attn_mask is not None:
             mask = attn_mask if attn_mask.shape[0] == 1 else attn_mask[sl]
         with torch.enable_grad() if grads else torch.no_grad():
-            o, lse = reference_attention(*leaves, attn_mask=mask, is_causal=causal, scale=scale,
-                                         return_lse=True, softcap=softcap)
+            o, lse, *s = reference_attention(*leaves, attn_mask=mask, is_causal=causal, scale=scale,
+                                             return_lse=True, softcap=softcap, return_scores=scores)
+            outs["s"] += s
             if do is not None:
                 do64 = do[sl].to(torch.float64)
                 outs["delta"].append((do64 * o.detach()).sum(-1))
@@ -323,7 +327,7 @@ def _black_box(fn, q, k, v, do, grads):
 def trace(q, k, v, do=None, arithmetic: "Arithmetic | FlashOptions | str | object" = DEFAULT_PRECISION, *,
           causal: bool = False, scale: float | None = None, attn_mask: torch.Tensor | None = None,
           softcap: float | None = None, grads: "bool | str" = True, label: str | None = None,
-          observe=None) -> Trace:
+          observe=None, scores: bool = False) -> Trace:
     """Run ``arithmetic`` on (q, k, v) and, given ``do``, its backward; compare with fp64.
 
     q: (B, H, T_q, D), k: (B, H, T_k, D), v: (B, H, T_k, D_v), do: (B, H, T_q, D_v) or None.
@@ -339,6 +343,8 @@ def trace(q, k, v, do=None, arithmetic: "Arithmetic | FlashOptions | str | objec
     ``observe``: a further ``flash_forward`` observer, called on every tile of the arithmetic's
     forward after trace's own tie counter (the census rides the same forward: one run, the same
     roundings); only an Arithmetic on the PyTorch kernel shows its tiles (ValueError otherwise).
+    ``scores``: keep the reference's fp64 scores as ``Trace.s_ref`` (B, H, T_q, T_k; after scale,
+    soft-cap and masks, hidden = -inf): a T_q x T_k matrix per head, so only when asked.
     """
     _wanted_grads(grads)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -376,7 +382,7 @@ def trace(q, k, v, do=None, arithmetic: "Arithmetic | FlashOptions | str | objec
                         f"got {type(arithmetic).__name__}")
     qi, ki, vi, doi = got["inputs"]
     ref = _reference(qi, ki, vi, doi, attn_mask=attn_mask, causal=causal, scale=scale, softcap=softcap,
-                     grads=grads if do is not None else False)
+                     grads=grads if do is not None else False, scores=scores)
 
     def f64(x, squeeze=False):
         if x is None:
@@ -388,4 +394,4 @@ def trace(q, k, v, do=None, arithmetic: "Arithmetic | FlashOptions | str | objec
                  delta=f64(got.get("delta"), squeeze=True), delta_ref=ref["delta"],
                  delta_source=got.get("delta_source"), dq=f64(got.get("dq")), dk=f64(got.get("dk")),
                  dv=f64(got.get("dv")), dq_ref=ref["dq"], dk_ref=ref["dk"], dv_ref=ref["dv"],
-                 ties=got.get("ties"), inputs=got["inputs"])
+                 ties=got.get("ties"), inputs=got["inputs"], s_ref=ref["s"])

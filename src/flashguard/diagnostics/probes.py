@@ -229,17 +229,6 @@ def _trained_arithmetic(cap: LayerCapture, policy, stab) -> Arithmetic:
     return Arithmetic(opts)
 
 
-def _scores64(q, k, *, causal: bool, scale: float, softcap: float | None):
-    s = torch.matmul(q.to(torch.float64), k.to(torch.float64).transpose(-2, -1)).mul_(scale)
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    keep = None
-    if causal:
-        keep = causal_mask(q.shape[-2], k.shape[-2], q.device)
-        s.masked_fill_(~keep, float("-inf"))
-    return s, keep
-
-
 def kernel_call(cap: LayerCapture):
     """The SDPA call a layer that trains through SDPA made, as ``fn(q, k, v) -> o``: the model's
     own ``attend`` with the layer's spec (flashguard.model.attention: is_causal=True, torch's
@@ -262,7 +251,7 @@ def _policy_trace(cap: LayerCapture, policy, stab, scale: float, grad: bool):
     census = TiedKeyCounter(cap.q.shape[1], cap.causal, cap.q.device)
     pytorch = arith.kernel == "pytorch"
     t = trace(cap.q, cap.k, cap.v, cap.do, arith, causal=cap.causal, scale=scale, softcap=cap.softcap,
-              grads="dq" if grad else False, observe=census if pytorch else None)
+              grads="dq" if grad else False, observe=census if pytorch else None, scores=True)
     counted = t
     if not pytorch:  # the triton kernel does not expose its tiles' maxima: count them on the
         # PyTorch path with the same policy, stabilizer and tiles (forward only)
@@ -288,18 +277,17 @@ def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = T
         if policy is None and cap.backend == "sdpa":
             kernel = KERNEL_LABEL
             t = trace(cap.q, cap.k, cap.v, cap.do, kernel_call(cap), causal=cap.causal, scale=scale,
-                      softcap=cap.softcap, grads="dq" if grad else False, label=kernel)
-            q_in, k_in, v_in, _ = t.inputs
-            lse = t.lse_ref
+                      softcap=cap.softcap, grads="dq" if grad else False, label=kernel, scores=True)
+            v_in, lse, s = t.inputs[2], t.lse_ref, t.s_ref
         elif policy is None:
-            q_in, k_in, v_in = cap.q, cap.k, cap.v
-            _, lse = reference_attention(q_in, k_in, v_in, is_causal=cap.causal, scale=scale, softcap=cap.softcap,
-                                         return_lse=True)
+            v_in = cap.v
+            _, lse, s = reference_attention(cap.q, cap.k, v_in, is_causal=cap.causal, scale=scale, softcap=cap.softcap,
+                                            return_lse=True, return_scores=True)
         else:
             t, arith, tied = _policy_trace(cap, policy, stab, scale, grad)
-            q_in, k_in, v_in, _ = t.inputs
-            lse = t.lse_ref
-        s, keep = _scores64(q_in, k_in, causal=cap.causal, scale=scale, softcap=cap.softcap)
+            v_in, lse, s = t.inputs[2], t.lse_ref, t.s_ref
+        # the scores of the one reference (fp64, after scale and soft-cap, hidden = -inf)
+        keep = causal_mask(s.shape[-2], s.shape[-1], s.device) if cap.causal else None
         return Shadow(layer=cap.layer, policy=policy, stabilizer=stab, s=s, lse=lse.to(torch.float64), keep=keep,
                       v_in=v_in, trace=t, arithmetic=arith, causal=cap.causal, scale=scale, softcap=cap.softcap,
                       kernel=kernel, tied_keys=tied)
