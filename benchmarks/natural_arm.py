@@ -9,7 +9,8 @@ Each arm is ``flashguard train tiny-cpu-512-docs`` in its own process (OMP_NUM_T
 ``--data`` names one), checkpoints off. The minutes of a 1,000-step arm are extrapolated from
 the run's own records (metrics.jsonl): the median step without a probe times the steps without
 one, the mean probe time those steps carry (``time/diagnostics_s``) times 20 probes, and the rest
-of the wall time (start-up, evaluations) scaled by 1,000 / steps; the wall time of the run is
+of the wall time (start-up, evaluations) scaled by 1,000 / steps (the one start-up is scaled with
+the evaluations: an over-estimate, by nine start-ups at 100 steps); the wall time of the run is
 recorded beside it. ``--fallback`` runs each arm a second time with ``FLASHGUARD_NATIVE=0`` and
 ``FLASHGUARD_RETAIN_MEMORY=0`` (no C kernels, glibc's allocator thresholds): the same arithmetic,
 before this project's CPU speed-ups. Target (issue 25): an arm in at most 20 minutes on one core.

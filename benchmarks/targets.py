@@ -112,13 +112,22 @@ def other_rows(train: dict | None, diag: dict | None, scaling: dict | None, spli
         ["tiny-cpu training, flash + fa2 >= 0.9x SDPA tokens/s", _fmt(fa2, "x"), _verdict(fa2, 0.9, False),
          step_floor],
         ["a probe step <= 2 plain steps", _fmt(probe, " steps"), _verdict(probe, 2.0, True),
-         f"{diag['reference_in_plain_steps']:.2f} steps (the fp64 reference's forward and dQ alone)"
-         if diag and "reference_in_plain_steps" in diag else "-"],
+         _probe_floor(diag)],
         ["attention memory O(T) (log-log slope of peak memory, T >= 1024)",
          "-" if slope is None else f"flash presets {slope['flash_min']:.2f}-{slope['flash_max']:.2f} "
                                    f"(sdpa {slope['sdpa']:.2f}, math {slope['math']:.2f})",
          "not measured" if slope is None else ("met" if slope["o_t"] else "not met"), "-"],
     ]
+
+
+def _probe_floor(diag: dict | None) -> str:
+    if not diag or "reference_in_plain_steps" not in diag:
+        return "-"
+    ref = f"the fp64 reference's forward and dQ alone {diag['reference_in_plain_steps']:.2f} steps"
+    if "trace_in_plain_steps" not in diag:
+        return ref
+    return (f"{diag['trace_in_plain_steps']:.2f} steps (the measurement alone: {ref}, then the layer's "
+            f"arithmetic forward counting ties and its dQ)")
 
 
 def _fmt(x, unit: str) -> str:
@@ -290,7 +299,7 @@ def readme_lines(sources: dict) -> str:
     if nat:
         res = nat["results"]
         out.append("- A natural-preconditions arm (nat512's set-up: tiny-cpu at T 512, 1,000 steps, probes every 50) "
-                   "on one core: " + ", ".join(f"{n} {r['minutes_per_1000']:.0f} min" for n, r in res.items()
+                   "on one core: " + ", ".join(f"{n} {r['minutes_per_1000']:.1f} min" for n, r in res.items()
                                                if not n.endswith("~fallback")) + ".")
     if diag:
         out.append(f"- A probe of every layer costs {diag['probe_in_plain_steps']:.1f} plain steps "

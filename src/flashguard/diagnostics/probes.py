@@ -16,7 +16,8 @@ Attention (``attention_metrics``, from the fp64 attention of the layer's inputs)
                                                (soft-capped if the model caps)
   attn/sink_mass/LlHh, attn/sink_mass/Ll     mean probability on the first key (rows 1..T-1
                                                under the causal mask)
-  attn/sink_top_frac/Ll                      fraction of those rows whose largest weight is key 0
+  attn/sink_top_frac/Ll                      fraction of those rows whose largest score (so largest
+                                               weight) is at key 0, ties included
 
 Numerics (``numerics_metrics``; the layer's attention once more in the training policy,
 kernel and tiles, next to fp64, measured by ``flashguard.attention.trace``; for layers whose
