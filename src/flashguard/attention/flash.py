@@ -459,6 +459,17 @@ def delta_preprocess(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, 
     return _cat(parts)
 
 
+def _dv_part(ops, p, p_mm, do, q0, q1, kt, policy: PrecisionPolicy):
+    """A tile's P^T dO, its part of dV_j: P as the PV operand (``p_mm`` where a fused pass already
+    rounded it), zero where dropout (``kt``) dropped it; 1 / (1 - p) goes on the finished dV_j."""
+    if p_mm is None:
+        p_mm = _operand(pbar_operand(p, policy), policy.grad_partial)
+    if kt is not None:
+        p_mm = torch.where(kt, p_mm, 0.0)
+    gp = policy.grad_partial
+    return ops.mm(p_mm.transpose(-2, -1), ops.tile(do, q0, q1, out_fmt=gp), gp)
+
+
 def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, scale: float,
                    policy: PrecisionPolicy, block_q: int, block_k: int, softcap: float | None = None,
                    delta_hook=None, dropout: TileDropout | None = None, dq_only: bool = False):
@@ -516,14 +527,9 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
                 continue
             p, dcap, p_mm = _p_tile(ops, q, k, lse[..., q0:q1, :], hide, bias, causal, q0, q1, k0, k1, scale,
                                     policy, softcap, pbar=fold_pbar)
-            if dropout is not None:
-                kt = dropout.keep(q0, q1, k0, k1)
+            kt = None if dropout is None else dropout.keep(q0, q1, k0, k1)
             if not dq_only:
-                if p_mm is None:
-                    p_mm = _operand(pbar_operand(p, policy), policy.grad_partial)
-                if dropout is not None:
-                    p_mm = torch.where(kt, p_mm, 0.0)  # 1 / (1 - p) applied to the finished dV_j
-                dv_j = accumulate(dv_j, ops.mm(p_mm.transpose(-2, -1), ops.tile(do, q0, q1, out_fmt=gp), gp))
+                dv_j = accumulate(dv_j, _dv_part(ops, p, p_mm, do, q0, q1, kt, policy))
             dp = ops.mm(ops.tile(do, q0, q1, out_fmt=policy.dp), ops.tile(v, k0, k1, transpose=True, out_fmt=policy.dp),
                         policy.dp)
             if dropout is not None:
