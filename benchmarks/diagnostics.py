@@ -139,20 +139,21 @@ def _trace_costs(batch: int, mcfg, spec, n_layers: int, repeats: int = 3) -> tup
     of a layer, ``trace`` as the probes call it: that reference, the layer's arithmetic forward
     counting ties (and the census) and its dQ backward, and the reference's scores kept. (b) is the
     part of a probe that no rearrangement of its metrics can remove."""
-    from flashguard.attention.trace import Arithmetic, _reference, trace
-    from flashguard.diagnostics.census import TiedKeyCounter
+    from flashguard.attention.trace import _reference
+    from flashguard.diagnostics import LayerCapture
+    from flashguard.diagnostics.probes import _policy_trace, _resolve
     hd = mcfg.n_embd // mcfg.n_head
     g = torch.Generator().manual_seed(1)
     q, k, v, do = (torch.randn(batch, mcfg.n_head, mcfg.block_size, hd, generator=g).bfloat16() for _ in range(4))
-    arith = Arithmetic(spec.options.replace(kernel="pytorch"))
+    cap = LayerCapture(layer=0, q=q, k=k, v=v, do=do, spec=spec, backend="flash", causal=True)
+    policy, stab = _resolve(cap, None, None)
 
     def reference():
-        _reference(q, k, v, do, attn_mask=None, causal=True, scale=hd ** -0.5, softcap=None, grads="dq")
+        _reference(q, k, v, do, attn_mask=None, causal=True, scale=cap.attn_scale, softcap=None, grads="dq")
 
-    def measurement():
-        census = TiedKeyCounter(q.shape[1], True)
-        t = trace(q, k, v, do, arith, causal=True, scale=hd ** -0.5, grads="dq", observe=census, scores=True)
-        census.finish(t.inputs[2])
+    def measurement():  # what probes.shadow runs for a flash layer, before any metric
+        with torch.no_grad():
+            _policy_trace(cap, policy, stab, cap.attn_scale, grad=True)
 
     out = []
     for fn in (reference, measurement):

@@ -538,12 +538,9 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
             dq_tiles[i] = accumulate(dq_tiles[i], ops.mm(ds, ops.tile(k, k0, k1, out_fmt=gp), gp))
             if not dq_only:
                 dk_j = accumulate(dk_j, ops.mm(ds.transpose(-2, -1), ops.tile(q, q0, q1, out_fmt=gp), gp))
-        if not scale_ds:  # FA2 / FA3: the softmax scale on the finished fp32 accumulator
-            dk_j = cast(dk_j * scale, acc)
-        dk_tiles.append(dk_j)
-        if dropout is not None:
-            dv_j = cast(dv_j * dropout.scale, acc)
-        dv_tiles.append(dv_j)
+        if not dq_only:  # FA2 / FA3: the softmax scale on the finished fp32 accumulator; dropout's 1 / (1 - p)
+            dk_tiles.append(dk_j if scale_ds else cast(dk_j * scale, acc))
+            dv_tiles.append(dv_j if dropout is None else cast(dv_j * dropout.scale, acc))
     if not scale_ds:
         dq_tiles = [cast(t * scale, acc) for t in dq_tiles]
     if dq_only:

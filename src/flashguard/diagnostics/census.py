@@ -168,11 +168,7 @@ def census_metrics(sh) -> dict:
 
 def _tied_key_metrics(sh) -> dict:
     """exact_tie_rate, tie_at_sink(_chance) and v_sign_agree of the shadow's arithmetic, per head and layer."""
-    layer, t = sh.layer, sh.trace
-    c = sh.tied_keys
-    if c is None:  # a shadow made without the counts: one more forward of its arithmetic
-        q, k, v, _ = t.inputs
-        c = tied_keys(q, k, v, sh.arithmetic, causal=sh.causal, scale=sh.scale, softcap=sh.softcap)
+    layer, c = sh.layer, sh.tied_keys   # counted in the trace's own forward (probes.shadow)
     out = {}
     for h in range(c.pairs.shape[0]):
         out[keys.EXACT_TIE_RATE.key(layer, h)] = _share(c.tied[h], c.pairs[h])

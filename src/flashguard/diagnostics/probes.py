@@ -289,7 +289,7 @@ def shadow(cap: LayerCapture, *, precision=None, stabilizer=None, grad: bool = T
             v_in, lse, s = t.inputs[2], t.lse_ref, t.s_ref
         # the scores of the one reference (fp64, after scale and soft-cap, hidden = -inf)
         keep = causal_mask(s.shape[-2], s.shape[-1], s.device) if cap.causal else None
-        return Shadow(layer=cap.layer, policy=policy, stabilizer=stab, s=s, lse=lse.to(torch.float64), keep=keep,
+        return Shadow(layer=cap.layer, policy=policy, stabilizer=stab, s=s, lse=lse, keep=keep,
                       v_in=v_in, trace=t, arithmetic=arith, causal=cap.causal, scale=scale, softcap=cap.softcap,
                       kernel=kernel, tied_keys=tied)
 
