@@ -8,10 +8,11 @@ Each arm is ``flashguard train tiny-cpu-512-docs`` in its own process (OMP_NUM_T
 ``--steps`` steps, on the embedded short documents (prepared into a temporary folder unless
 ``--data`` names one), checkpoints off. The minutes of a 1,000-step arm are extrapolated from
 the run's own records (metrics.jsonl): the median step without a probe times the steps without
-one, the mean probe time those steps carry (``time/diagnostics_s``) times 20 probes, and the rest
-of the wall time (start-up, evaluations) scaled by 1,000 / steps (the one start-up is scaled with
-the evaluations: an over-estimate, by nine start-ups at 100 steps); the wall time of the run is
-recorded beside it. ``--fallback`` runs each arm a second time with ``FLASHGUARD_NATIVE=0`` and
+one, the mean probe step (``time/step_s`` where ``time/diagnostics_s`` is) times 20 probes, the
+mean evaluation (``time/eval_s``) times the 10 evaluations of 1,000 steps, and once the rest of
+the wall time (start-up and writing, not scaled: at ``--steps 1000`` the estimate is the wall
+time itself, which checks the extrapolation); the wall time of the run is recorded beside it.
+``--fallback`` runs each arm a second time with ``FLASHGUARD_NATIVE=0`` and
 ``FLASHGUARD_RETAIN_MEMORY=0`` (no C kernels, glibc's allocator thresholds): the same arithmetic,
 before this project's CPU speed-ups. Target (issue 25): an arm in at most 20 minutes on one core.
 Writes benchmarks/results/natural-arm-1thread.json.
@@ -32,8 +33,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from machine import machine  # noqa: E402
 
+from flashguard import keys  # noqa: E402
+
 RESULTS = HERE / "results"
-CONFIG, STEPS, EVERY = "tiny-cpu-512-docs", 1000, 50
+CONFIG, STEPS, EVERY, EVAL_EVERY = "tiny-cpu-512-docs", 1000, 50, 100
 ARMS = {"paper": [], "fa2": ["attention.precision=fa2"], "sdpa": ["attention.backend=sdpa"],
         "fp32": ["attention.precision=fp32"]}
 
@@ -49,20 +52,28 @@ def run_arm(arm: str, steps: int, data: Path, fallback: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="fg-natural-arm-") as out:
         t0 = time.perf_counter()
         proc = _flashguard("train", CONFIG, "--out", out, f"data.dir={data}", f"train.steps={steps}",
-                           f"train.diagnostics_every={EVERY}", "train.checkpoint_every=1000000", *ARMS[arm], env=env)
+                           f"train.diagnostics_every={EVERY}", f"train.eval_every={EVAL_EVERY}", "train.log_every=1",
+                           "train.checkpoint_every=1000000", *ARMS[arm], env=env)
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             raise SystemExit(f"natural_arm: the {arm} arm failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
         rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps_s = [r["time/step_s"] for r in rows if "time/step_s" in r]
-    probes = [r["time/diagnostics_s"] for r in rows if "time/diagnostics_s" in r]
-    plain = statistics.median(r["time/step_s"] for r in rows if "time/step_s" in r and "time/diagnostics_s" not in r)
-    probed = [r["time/step_s"] for r in rows if "time/diagnostics_s" in r]
-    rest = wall - sum(steps_s)   # start-up, evaluations, writing
-    n_probes = STEPS // EVERY
-    minutes = (plain * (STEPS - n_probes) + statistics.mean(probed) * n_probes + rest * STEPS / steps) / 60
+    steps_s = [r[keys.STEP_TIME] for r in rows if keys.STEP_TIME in r]
+    evals = [r[keys.EVAL_TIME] for r in rows if keys.EVAL_TIME in r]
+    probes = [r[keys.DIAGNOSTICS_TIME] for r in rows if keys.DIAGNOSTICS_TIME in r]
+    plain = statistics.median(r[keys.STEP_TIME] for r in rows
+                              if keys.STEP_TIME in r and keys.DIAGNOSTICS_TIME not in r)
+    probed = [r[keys.STEP_TIME] for r in rows if keys.DIAGNOSTICS_TIME in r]
+    if len(steps_s) != steps or len(evals) != steps // EVAL_EVERY:
+        raise SystemExit(f"natural_arm: the {arm} arm logged {len(steps_s)} steps and {len(evals)} evaluations; "
+                         f"expected {steps} and {steps // EVAL_EVERY}")
+    rest = wall - sum(steps_s) - sum(evals)   # start-up, writing: once a run
+    n_probes, n_evals = STEPS // EVERY, STEPS // EVAL_EVERY
+    minutes = (plain * (STEPS - n_probes) + statistics.mean(probed) * n_probes
+               + statistics.mean(evals) * n_evals + rest) / 60
     return {"steps": steps, "wall_s": wall, "plain_step_s": plain, "probe_s": statistics.mean(probes),
-            "probed_step_s": statistics.mean(probed), "rest_s": rest, "minutes_per_1000": minutes}
+            "probed_step_s": statistics.mean(probed), "eval_s": statistics.mean(evals), "rest_s": rest,
+            "minutes_per_1000": minutes}
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["STEP", "LOSS_TRAIN", "LOSS_VAL", "LR", "GRAD_NORM", "STEP_TIME", "TOKENS_PER_S", "DIVERGED",
+__all__ = ["STEP", "LOSS_TRAIN", "LOSS_VAL", "LR", "GRAD_NORM", "STEP_TIME", "TOKENS_PER_S", "EVAL_TIME", "DIVERGED",
            "DIAGNOSTICS_TIME", "DIAGNOSTICS_FAILED", "MONITOR_STATE", "TRAINER_KEYS",
            "Metric", "PROBE_METRICS", "PROBE_NAMESPACES", "metric", "parse", "is_probe_key",
            "SPECTRAL_NORM", "GROWTH", "SPECTRAL_NORM_MAX", "GROWTH_MAX",
@@ -44,8 +44,9 @@ LR = "optim/lr"
 GRAD_NORM = "grad/norm"              # gradient norm before clipping
 STEP_TIME = "time/step_s"
 TOKENS_PER_S = "time/tokens_per_s"
+EVAL_TIME = "time/eval_s"           # seconds the validation loss took, at the evaluation steps (not in step_s)
 DIVERGED = "event/diverged"          # 1 at a step the divergence rule fired (flashguard.train.divergence)
-TRAINER_KEYS = (LOSS_TRAIN, LOSS_VAL, LR, GRAD_NORM, STEP_TIME, TOKENS_PER_S, DIVERGED)
+TRAINER_KEYS = (LOSS_TRAIN, LOSS_VAL, LR, GRAD_NORM, STEP_TIME, TOKENS_PER_S, EVAL_TIME, DIVERGED)
 
 # ---- the diagnostics hook's keys (flashguard.diagnostics.trainer) ----------------------------
 DIAGNOSTICS_TIME = "time/diagnostics_s"   # cost of the probes, at the probe steps

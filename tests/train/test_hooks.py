@@ -14,7 +14,7 @@ from flashguard.train.loggers import Console, JsonlMetrics, Loggers, RunLogger, 
 
 from run_helpers import MICRO, interrupted, micro_overrides
 
-TIMES = (keys.STEP_TIME, keys.TOKENS_PER_S)
+TIMES = (keys.STEP_TIME, keys.TOKENS_PER_S, keys.EVAL_TIME)
 
 
 class Recorder(TrainHook):

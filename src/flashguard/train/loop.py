@@ -332,7 +332,9 @@ class Trainer:
         """The validation loss into ``record`` when due: whether it is the best so far."""
         if not self.evaluator.due(done):
             return False
+        t0 = time.perf_counter()
         val = self.evaluator()
+        record[keys.EVAL_TIME] = time.perf_counter() - t0
         record[keys.LOSS_VAL] = val
         is_best = self.best_val is None or val < self.best_val
         self.best_val = val if is_best else self.best_val
