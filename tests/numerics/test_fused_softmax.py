@@ -2,11 +2,13 @@
 
 Each pass against the torch ops it stands for (bf16: over all 65,536 bit patterns; fp32: random
 bit patterns, the special values and ordinary ones), with and without the scale and a causal
-mask, with the finite and the -inf fill; the check that turns the passes on is shown to fail on a
-wrong exponential; tiles the passes do not cover (rows that are not whole steps of torch's vector
-loop, masks that differ per head, per-row values of another dtype, fp64) are declined and left
-untouched; and the emulated attention (``paper``: bf16 passes; ``fa2``, ``fp32``,
-``paper-fp32fwd``: fp32 ones) gives the same bits with the passes on and off, on awkward sizes.
+mask, with the finite and the -inf fill; so are the bf16 accumulators' add and the forward's row
+max (given where torch's amax has one answer: not for a row whose max is zero or NaN); the check
+that turns the passes on is shown to fail on a wrong exponential, add or row max; tiles the passes
+do not cover (rows that are not whole steps of torch's vector loop, masks that differ per head,
+per-row values of another dtype, fp64) are declined and left untouched; and the emulated attention
+(``paper``: bf16 passes; ``fa2``, ``fp32``, ``paper-fp32fwd``: fp32 ones) gives the same bits with
+the passes on and off, on awkward sizes.
 """
 from __future__ import annotations
 
@@ -78,6 +80,66 @@ def test_the_fp32_passes_also_give_the_bf16_operands(probe):
         p = fs.p_from_lse_(tile.clone(), rows, 0.125, _Hidden(mask), pbar)
         assert _same(p, fs.torch_p_from_lse_(tile.clone(), rows, 0.125, _Hidden(mask)))
         assert _same(pbar, p.to(torch.bfloat16).to(torch.float32))
+
+
+def test_the_accumulators_add_is_torchs(probe):
+    dtype, (s, _, other, _) = probe
+    if dtype != torch.bfloat16:
+        assert fs.add_(other.clone(), other) is None   # fp32 accumulators: torch's own add_ stays
+        return
+    for a, b in ((s, other), (other, s), (s, s.flip(-1).contiguous()), (s, s)):   # every bit pattern as a and b
+        b_before = b.clone()
+        assert _same(fs.add_(a.clone(), b), fs.torch_add_(a.clone(), b))
+        assert _same(b, b_before)
+    assert fs.add_(other.clone(), other[..., :32].contiguous()) is None   # shapes differ
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("fill", ["finite", "-inf"])
+def test_the_row_max_is_amaxs_or_left_to_it(probe, masked, fill):
+    """Where scale_fill_ gives a row max it is torch's amax of the scaled tile, bit for bit; where
+    a row's max is zero (+0 or -0: which one amax returns depends on its order) or NaN it gives none."""
+    dtype, (s, _, other, mask) = probe
+    h = _Hidden(mask) if masked else None
+    fill = -torch.finfo(dtype).max if fill == "finite" else float("-inf")
+    tile, m = fs.scale_fill_(other.clone(), 0.125, h, fill, with_max=True)
+    assert m is not None and m.shape == (*other.shape[:-1], 1)
+    assert _same(m, tile.amax(dim=-1, keepdim=True))
+    assert _same(tile, fs.torch_scale_fill_(other.clone(), 0.125, h, fill))
+    for zero in (0.0, -0.0):
+        t = -other.abs()
+        t[0, 0, 3, 1] = zero
+        t[0, 0, 3, 2] = -zero
+        assert fs.scale_fill_(t, 0.125, None, fill, with_max=True)[1] is None
+    assert fs.scale_fill_(s.clone(), 0.125, h, fill, with_max=True)[1] is None   # rows hold NaNs
+
+
+def test_the_check_fails_on_a_wrong_add_or_row_max(monkeypatch):
+    """verified() checks the add and the row max too: one off by a bit in the last place fails it."""
+    if not fs.active(torch.bfloat16):
+        pytest.skip("the fused bf16 passes are off here")
+    right_add, right_fill = fs.add_, fs.scale_fill_
+
+    def add_then_nudge(a, b):
+        out = right_add(a, b)
+        a.view(torch.int16)[0, 0, 0, 0] += 1
+        return out
+
+    def max_nudged(s, scale, hidden, fill, with_max=False):
+        out = right_fill(s, scale, hidden, fill, with_max)
+        if with_max and out is not None and out[1] is not None:
+            out[1].view(torch.int16 if s.dtype == torch.bfloat16 else torch.int32)[0, 0, 0, 0] += 1
+        return out
+
+    for name, wrong in (("add_", add_then_nudge), ("scale_fill_", max_nudged)):
+        monkeypatch.setattr(fs, name, wrong)
+        fs.verified.cache_clear()
+        try:
+            assert not fs.verified(torch.bfloat16)
+        finally:
+            monkeypatch.undo()
+            fs.verified.cache_clear()
+    assert fs.verified(torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])

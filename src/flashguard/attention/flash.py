@@ -173,25 +173,28 @@ def _tile_exp_gpu(gpu, u, row_max, m, m_new, m_u):
 
 
 def _visible_scores(ops, q, k, bias, tile, scale: float, policy: PrecisionPolicy, softcap, gpu, th, fill):
-    """A tile's scores S (B, H, n, bk), its hidden entries set to ``fill``, and the raw scores a GPU
-    exp2 form reads (None unless ``gpu.raw``), likewise filled."""
+    """A tile's scores S (B, H, n, bk), its hidden entries set to ``fill``, the raw scores a GPU
+    exp2 form reads (None unless ``gpu.raw``), likewise filled, and S's row max (B, H, n, 1)."""
     q0, q1, k0, k1 = tile
     raw = None
     if gpu is not None and gpu.raw:
         s, _, raw = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap, want_raw=True)
     elif _fused_chain(policy, bias, softcap, "scores"):
-        # round(q k^T * scale), then the fill: one pass where numerics.fused_softmax covers the tile
+        # round(q k^T * scale), then the fill, and the row max: one pass where numerics.fused_softmax
+        # covers the tile (it leaves the max to amax where torch's would depend on its order)
         s = _qk(ops, q, k, q0, q1, k0, k1, policy.scores)
-        if fused_softmax.scale_fill_(s, scale, th, fill) is None:
+        fused = fused_softmax.scale_fill_(s, scale, th, fill, with_max=True)
+        if fused is None:
             fused_softmax.torch_scale_fill_(s, scale, th, fill)  # the same steps as torch ops
-        return s, None
+        row_max = None if fused is None else fused[1]
+        return s, None, s.amax(dim=-1, keepdim=True) if row_max is None else row_max
     else:
         s, _ = _scores(ops, q, k, bias, q0, q1, k0, k1, scale, policy, softcap)  # (B, H, n, bk)
     if th is not None:
         th.fill_(s, fill)
         if raw is not None:
             th.fill_(raw, fill)
-    return s, raw
+    return s, raw, s.amax(dim=-1, keepdim=True)
 
 
 def _tile_exp_(s, m_safe, th, fill, policy: PrecisionPolicy, pbar: bool = False):
@@ -296,10 +299,11 @@ def flash_forward(q, k, v, *, keep, bias, causal: bool, scale: float, policy: Pr
                 th = raw = None
                 s = torch.full((B, H, n, min(2, k1 - k0)), fill, dtype=storage_dtype(policy.scores),
                                device=q.device)
+                row_max = s.amax(dim=-1, keepdim=True)
             else:
                 th = _tile_hidden(hide, causal, q0, q1, k0, k1, q.device)
-                s, raw = _visible_scores(ops, q, k, bias, (q0, q1, k0, k1), scale, policy, softcap, gpu, th, fill)
-            row_max = s.amax(dim=-1, keepdim=True)
+                s, raw, row_max = _visible_scores(ops, q, k, bias, (q0, q1, k0, k1), scale, policy, softcap, gpu,
+                                                  th, fill)
             m_new = torch.maximum(stabilizer.shift(s, row_max, policy), m)
             # rows with nothing visible yet (all -inf) shift by 0 so that exp gives 0, not NaN
             m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
@@ -514,6 +518,8 @@ def flash_backward(q, k, v, o, lse, do, o_highp, *, keep, bias, causal: bool, sc
 
     def accumulate(total, part):
         if total.dtype == part.dtype:
+            if fused_softmax.add_(total, part) is not None:  # bf16 accumulators: one C pass, torch's bits
+                return total
             return _rounded(total.add_(part), acc)
         return cast(total + part, acc)
 

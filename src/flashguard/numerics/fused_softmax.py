@@ -7,12 +7,14 @@ on CPU these passes were most of ``paper``'s time and a quarter of ``fa2``'s.
 ``csrc/fused_softmax.c`` runs each chain in one pass with the same operations in the same order,
 so the bits are torch's:
 
-* ``scale_fill_(s, scale, hidden, fill)``: S * scale, hidden entries then ``fill``;
+* ``scale_fill_(s, scale, hidden, fill)``: S * scale, hidden entries then ``fill`` (and, asked for,
+  the row max the forward's next step takes);
 * ``p_from_max_(s, m, hidden, fill)``: the forward's P = exp(S - m) (hidden entries: +0 with a
   finite fill, as torch's exp of -inf - m with the -inf fill);
 * ``p_from_lse_(s, lse, scale, hidden)``: the backward's P = exp(S * scale - lse), hidden scores
   -inf;
-* ``ds_(p, dp, delta, scale)``: dS = (P * scale) * (dP - delta), into p.
+* ``ds_(p, dp, delta, scale)``: dS = (P * scale) * (dP - delta), into p;
+* ``add_(a, b)``: a bf16 accumulator's a + b, into a (O, dQ, dK and dV in the study's arithmetic).
 
 For bf16 tiles (scores, P and dP in bf16: the study's arithmetic) each step widens to fp32, does
 one fp32 operation and rounds to bf16, as torch's bf16 ops do, and the exponential is torch's
@@ -51,7 +53,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import native
 from .bf16_gemm import _pool
 
-__all__ = ["scale_fill_", "p_from_max_", "p_from_lse_", "ds_", "active", "verified", "applies"]
+__all__ = ["scale_fill_", "p_from_max_", "p_from_lse_", "ds_", "add_", "active", "verified", "applies"]
 
 _GRAIN = 32768   # at::internal::GRAIN_SIZE: torch's elementwise loops split into chunks of at least this
 # torch's vector loop on AVX-512 takes 2 vectors a step (bf16: 2 x 32 lanes, fp32: 2 x 16; a conversion
@@ -158,19 +160,25 @@ def _fill_bits(fill: float) -> int:
     return int(torch.tensor([fill], dtype=torch.bfloat16).view(torch.int16).item()) & 0xFFFF
 
 
-def scale_fill_(s: torch.Tensor, scale: float, hidden, fill: float) -> "torch.Tensor | None":
-    """In place: s <- s * scale (rounded to s's dtype), hidden entries then ``fill``."""
+def scale_fill_(s: torch.Tensor, scale: float, hidden, fill: float, with_max: bool = False):
+    """In place: s <- s * scale (rounded to s's dtype), hidden entries then ``fill``. Returns s, or
+    None where the pass does not apply; ``with_max``: (s, its row max (..., n, 1) as torch's
+    ``s.amax(-1, keepdim=True)`` gives it), the max None where a row's max is zero or NaN (which
+    zero or NaN torch's amax returns depends on its reduction order: the caller takes amax)."""
     if not applies(s, hidden):
         return None
     lib, mask, w = _library(s.dtype), _mask(hidden, s.shape), s.shape[-1]
     period = 1 if mask is None else mask.shape[0]
+    m = torch.empty((*s.shape[:-1], 1), dtype=s.dtype) if with_max else None
     if s.dtype == torch.bfloat16:
         f, bits = lib.fg_bf16_scale_fill, _fill_bits(fill)
-        _run(lambda r0, r1: f(s.data_ptr(), _ptr(mask), period, float(scale), bits, w, r0, r1), s)
+        _run(lambda r0, r1: f(s.data_ptr(), _ptr(mask), period, float(scale), bits, _ptr(m), w, r0, r1), s)
     else:
         f = lib.fg_f32_scale_fill
-        _run(lambda r0, r1: f(s.data_ptr(), _ptr(mask), period, float(scale), float(fill), w, r0, r1), s)
-    return s
+        _run(lambda r0, r1: f(s.data_ptr(), _ptr(mask), period, float(scale), float(fill), _ptr(m), w, r0, r1), s)
+    if not with_max:
+        return s
+    return s, (None if bool(((m == 0) | m.isnan()).any()) else m)
 
 
 def _pbar_ok(pbar, s: torch.Tensor) -> bool:
@@ -238,6 +246,16 @@ def ds_(p: torch.Tensor, dp: torch.Tensor, delta: torch.Tensor, scale: "float | 
     return p
 
 
+def add_(a: torch.Tensor, b: torch.Tensor) -> "torch.Tensor | None":
+    """In place: a <- a + b rounded to bf16, both bf16 tiles of one shape (an accumulator's add_)."""
+    if not (a.dtype == torch.bfloat16 and b.dtype == a.dtype and b.shape == a.shape and b.is_contiguous()
+            and b.device.type == "cpu" and applies(a)):
+        return None
+    f, w = _library(a.dtype).fg_bf16_add, a.shape[-1]
+    _run(lambda r0, r1: f(a.data_ptr(), b.data_ptr(), w, r0, r1), a)
+    return a
+
+
 # --- the torch ops each pass stands for: the check's reference, and attention/flash.py's steps
 # where a pass declines (native bf16 / fp32 formats, where rounding to the format is the op's own)
 
@@ -271,6 +289,10 @@ def torch_ds_(p, dp, delta, scale):
     if scale is not None:
         p.mul_(scale)
     return p.mul_(dpm)
+
+
+def torch_add_(a, b):
+    return a.add_(b)
 
 
 def _native_format(dtype):
@@ -331,6 +353,8 @@ def verified(dtype: torch.dtype) -> bool:
                         _same(_unchecked(scale_fill_, tile.clone(), scale, h, fill),
                               torch_scale_fill_(tile.clone(), scale, h, fill)) for fill in (finite, float("-inf"))):
                     return False
+                if scale is not None and not all(_max_agrees(tile, scale, h, fill) for fill in (finite, float("-inf"))):
+                    return False
     for scale in (None, 0.125, 0.14433756729740643):
         for p, dp in ((s, other), (other, s)):
             if not _same(_unchecked(ds_, p.clone(), dp, rows, scale), torch_ds_(p.clone(), dp, rows, scale)):
@@ -338,6 +362,11 @@ def verified(dtype: torch.dtype) -> bool:
             if dtype == torch.float32 and not _same(
                     _unchecked(ds_, p.clone(), dp, rows, scale, True),
                     torch_ds_(p.clone(), dp, rows, scale).to(torch.bfloat16).to(torch.float32)):
+                return False
+    if dtype == torch.bfloat16:  # the accumulators' add: every bit pattern against two others
+        flipped = s.flip(-1).contiguous()
+        for a, b in ((s, other), (other, s), (s, flipped), (s, s)):
+            if not _same(_unchecked(add_, a.clone(), b), torch_add_(a.clone(), b)):
                 return False
     if dtype == torch.float32:  # P rounded to bf16 beside P
         for h in (None, _Hidden(mask)):
@@ -350,6 +379,21 @@ def verified(dtype: torch.dtype) -> bool:
                 _unchecked(p_from_max_, tile.clone(), rows, h, float("-inf"), got_fwd)
                 if not (_same(got, want) and _same(got_fwd, want_fwd)):
                     return False
+    return True
+
+
+def _max_agrees(tile, scale, hidden, fill) -> bool:
+    """scale_fill_'s row max against torch's amax of torch's steps, on ``tile`` and on it with its
+    NaNs and zeros replaced (rows that the pass declines to give a max for, then ones it gives)."""
+    for t in (tile, torch.where(tile.isnan() | (tile == 0), 1.5, tile)):
+        want = torch_scale_fill_(t.clone(), scale, hidden, fill)
+        got, m = _unchecked(scale_fill_, t.clone(), scale, hidden, fill, True)
+        if not _same(got, want):
+            return False
+        if m is not None and not _same(m, want.amax(dim=-1, keepdim=True)):
+            return False
+        if m is None and not bool(((want.amax(dim=-1) == 0) | want.amax(dim=-1).isnan()).any()):
+            return False   # declined a tile with no zero or NaN row max
     return True
 
 

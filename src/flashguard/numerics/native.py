@@ -97,9 +97,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     # the fused softmax passes exist in x86-64 builds only (numerics/fused_softmax.py asks)
     f, i, u16 = ctypes.c_float, ctypes.c_int, ctypes.c_uint16
     optional = {"fg_bf16_p_from_lse": [p, p, p, n, f, i, n, n, n], "fg_bf16_p_from_max": [p, p, p, n, n, n, n],
-                "fg_bf16_ds": [p, p, p, f, i, n, n, n], "fg_bf16_scale_fill": [p, p, n, f, u16, n, n, n],
+                "fg_bf16_ds": [p, p, p, f, i, n, n, n], "fg_bf16_add": [p, p, n, n, n],
+                "fg_bf16_scale_fill": [p, p, n, f, u16, p, n, n, n],
                 "fg_f32_p": [p, p, p, n, f, i, i, i, p, n, n, n], "fg_f32_ds": [p, p, p, f, i, i, n, n, n],
-                "fg_f32_scale_fill": [p, p, n, f, f, n, n, n]}
+                "fg_f32_scale_fill": [p, p, n, f, f, p, n, n, n]}
     for name, args in optional.items():
         if hasattr(lib, name):
             getattr(lib, name).argtypes = args

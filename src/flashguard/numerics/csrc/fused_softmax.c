@@ -133,9 +133,17 @@ FG_AVX512 void fg_bf16_ds(uint16_t *p, const uint16_t *dp, const uint16_t *shift
     }
 }
 
-/* S = bf16(S * scale), hidden entries then set to the bf16 bits ``fill``. In place. */
+/* The row max of a pass's results: their largest value, or NaN where the row holds a NaN (max_ps
+ * would drop it). Which of +0 and -0, or which NaN, torch's amax returns depends on its reduction
+ * order: the Python side takes torch's amax for a tile where a row max is zero or NaN. */
+FG_AVX512 static inline float row_max_of(__m512 mx, __mmask16 nan) {
+    return nan ? __builtin_nanf("") : _mm512_reduce_max_ps(mx);
+}
+
+/* S = bf16(S * scale), hidden entries then set to the bf16 bits ``fill``. In place. With ``rowmax``
+ * (else NULL) each row's max, as bf16 bits, into rowmax[r] (see row_max_of). */
 FG_AVX512 void fg_bf16_scale_fill(uint16_t *s, const uint8_t *hidden, int64_t period, float scale,
-                                  uint16_t fill, int64_t w, int64_t r0, int64_t r1) {
+                                  uint16_t fill, uint16_t *rowmax, int64_t w, int64_t r0, int64_t r1) {
     const __m512 sc = _mm512_set1_ps(scale);
     uint32_t fu = (uint32_t)fill << 16;
     float ff;
@@ -144,12 +152,31 @@ FG_AVX512 void fg_bf16_scale_fill(uint16_t *s, const uint8_t *hidden, int64_t pe
     for (int64_t r = r0; r < r1; r++) {
         uint16_t *row = s + r * w;
         const uint8_t *hrow = hidden ? hidden + (r % period) * w : NULL;
+        __m512 mx = _mm512_set1_ps(-__builtin_inff());
+        __mmask16 nan = 0;
         for (int64_t j = 0; j < w; j += 16) {
             __m512 x = rnd(_mm512_mul_ps(widen(row + j), sc));
             if (hrow) x = _mm512_mask_blend_ps(hidden_lanes(hrow + j), x, fillv);
             store(row + j, x);
+            if (rowmax) {
+                mx = _mm512_max_ps(mx, x);
+                nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+            }
+        }
+        if (rowmax) {
+            float m = row_max_of(mx, nan);
+            uint32_t u;
+            memcpy(&u, &m, sizeof u);
+            rowmax[r] = m != m ? 0xffff : (uint16_t)(u >> 16);   /* a bf16 value: exact */
         }
     }
+}
+
+/* a = bf16(a + b): a bf16 accumulator's in-place add_ (the study's arithmetic accumulates O, dQ,
+ * dK and dV in bf16 across tiles). In place. */
+FG_AVX512 void fg_bf16_add(uint16_t *a, const uint16_t *b, int64_t w, int64_t r0, int64_t r1) {
+    for (int64_t i = r0 * w; i < r1 * w; i += 16)
+        store(a + i, _mm512_add_ps(widen(a + i), widen(b + i)));
 }
 
 #else
@@ -241,17 +268,24 @@ FG_AVX512 void fg_f32_ds(float *p, const float *dp, const float *shift, float sc
 }
 
 /* S = S * scale, hidden entries then ``fill``. In place. */
-FG_AVX512 void fg_f32_scale_fill(float *s, const uint8_t *hidden, int64_t period, float scale, float fill, int64_t w,
-                                 int64_t r0, int64_t r1) {
+FG_AVX512 void fg_f32_scale_fill(float *s, const uint8_t *hidden, int64_t period, float scale, float fill,
+                                 float *rowmax, int64_t w, int64_t r0, int64_t r1) {
     const __m512 sc = _mm512_set1_ps(scale), f = _mm512_set1_ps(fill);
     for (int64_t r = r0; r < r1; r++) {
         float *row = s + r * w;
         const uint8_t *hrow = hidden ? hidden + (r % period) * w : NULL;
+        __m512 mx = _mm512_set1_ps(-__builtin_inff());
+        __mmask16 nan = 0;
         for (int64_t j = 0; j < w; j += 16) {
             __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + j), sc);
             if (hrow) x = _mm512_mask_blend_ps(hidden_lanes(hrow + j), x, f);
             _mm512_storeu_ps(row + j, x);
+            if (rowmax) {
+                mx = _mm512_max_ps(mx, x);
+                nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+            }
         }
+        if (rowmax) rowmax[r] = row_max_of(mx, nan);
     }
 }
 #endif
