@@ -90,10 +90,22 @@ def test_fallback_is_used_when_disabled(monkeypatch):
     assert fexp_u20(torch.zeros(1)).item() == pytest.approx(math.exp(0) - 5.34e-5, abs=1e-6)
 
 
+def test_the_status_follows_the_switch_both_ways(monkeypatch):
+    """Off and on again in one process (the benchmarks' fallback arms): status() says what holds now,
+    not what the last call under FLASHGUARD_NATIVE=0 said."""
+    monkeypatch.delenv("FLASHGUARD_NATIVE", raising=False)
+    lib, loaded = native.library(), native.status()
+    monkeypatch.setenv("FLASHGUARD_NATIVE", "0")
+    assert native.library() is None and "FLASHGUARD_NATIVE=0" in native.status()
+    monkeypatch.delenv("FLASHGUARD_NATIVE")
+    assert native.library() is lib and native.status() == loaded and "FLASHGUARD_NATIVE=0" not in loaded
+
+
 def test_a_failed_build_falls_back_with_a_reason(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_tried", False)
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "_status", native._status)
+    monkeypatch.setattr(native, "_loaded", native._loaded)
     monkeypatch.setenv("FLASHGUARD_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "flashguard-no-such-compiler")
     assert native.library() is None

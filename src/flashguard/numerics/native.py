@@ -41,6 +41,7 @@ _CLONES = ["-DFG_CLONES"]  # per-CPU variants (x86-64 gcc); tried first, then wi
 _lib: Optional[ctypes.CDLL] = None
 _tried = False
 _status = "not loaded yet"
+_loaded = "not loaded yet"   # what the one attempt to load gave (status() again once re-enabled)
 
 
 def enabled() -> bool:
@@ -110,18 +111,26 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def library() -> Optional[ctypes.CDLL]:
     """The loaded C library, or None (then the PyTorch fallback runs; ``status()`` says why)."""
-    global _lib, _tried, _status
+    global _lib, _tried, _status, _loaded
     if not enabled():
         _status = "disabled by FLASHGUARD_NATIVE=0"
         return None
     if _tried:
+        _status = _loaded
         return _lib
     _tried = True
+    _status = _loaded = _load()
+    return _lib
+
+
+def _load() -> str:
+    """Build (unless cached) and load the library into ``_lib``: the status that says how it went."""
+    global _lib
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
-        _status = f"no C compiler ({cc!r} not found): PyTorch fallback"
-        log.info("flashguard: %s", _status)
-        return None
+        status = f"no C compiler ({cc!r} not found): PyTorch fallback"
+        log.info("flashguard: %s", status)
+        return status
     source = b"".join(f.name.encode() + f.read_bytes() for f in _SOURCES)
     errors = []
     for flags in (_FLAGS + _CLONES, _FLAGS):
@@ -134,10 +143,9 @@ def library() -> Optional[ctypes.CDLL]:
                 continue
         try:
             _lib = _declare(ctypes.CDLL(str(path)))
-            _status = f"loaded {path.name} (in cache_dir())"
-            return _lib
+            return f"loaded {path.name} (in cache_dir())"
         except (OSError, AttributeError) as exc:
             errors.append(str(exc))
-    _status = "C build failed, PyTorch fallback: " + (errors[-1] if errors else "unknown")
-    log.warning("flashguard: %s", _status)
-    return None
+    status = "C build failed, PyTorch fallback: " + (errors[-1] if errors else "unknown")
+    log.warning("flashguard: %s", status)
+    return status
