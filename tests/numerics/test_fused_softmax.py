@@ -3,8 +3,9 @@
 Each pass against the torch ops it stands for (bf16: over all 65,536 bit patterns; fp32: random
 bit patterns, the special values and ordinary ones), with and without the scale and a causal
 mask, with the finite and the -inf fill; so are the bf16 accumulators' add and the forward's row
-max (given where torch's amax has one answer: not for a row whose max is zero or NaN); the check
-that turns the passes on is shown to fail on a wrong exponential, add or row max; tiles the passes
+max (given where torch's amax has one answer: not for a row whose max is zero or NaN) and the tie
+rules' per-row counts; the check that turns the passes on is shown to fail on a wrong exponential,
+add or row max; tiles the passes
 do not cover (rows that are not whole steps of torch's vector loop, masks that differ per head,
 per-row values of another dtype, fp64) are declined and left untouched; and the emulated attention
 (``paper``: bf16 passes; ``fa2``, ``fp32``, ``paper-fp32fwd``: fp32 ones) gives the same bits with
@@ -114,8 +115,27 @@ def test_the_row_max_is_amaxs_or_left_to_it(probe, masked, fill):
     assert fs.scale_fill_(s.clone(), 0.125, h, fill, with_max=True)[1] is None   # rows hold NaNs
 
 
-def test_the_check_fails_on_a_wrong_add_or_row_max(monkeypatch):
-    """verified() checks the add and the row max too: one off by a bit in the last place fails it."""
+@pytest.mark.parametrize("op", ["ge", "eq"])
+def test_the_tie_counts_are_torchs(probe, op):
+    """count_cmp against a boolean tile counted: thresholds at the row max (NaN rows included), at
+    per-row values with the special ones, and at an entry of the row; a tile of rows of 48 (whole
+    vectors, no 64-element step) too. Rows of 40 or another dtype's thresholds are declined."""
+    dtype, (s, rows, other, _) = probe
+    for tile in (s, other, other[..., :48].contiguous()):
+        for thr in (tile.amax(dim=-1, keepdim=True), rows, tile[..., 5:6].contiguous()):
+            got = fs.count_cmp(tile, thr, op)
+            assert got is not None and got.dtype == torch.int32
+            assert torch.equal(got, fs.torch_count_cmp(tile, thr, op))
+    assert fs.count_cmp(other[..., :40].contiguous(), rows, op) is None
+    wrong = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    assert fs.count_cmp(other, rows.to(wrong), op) is None
+    with pytest.raises(ValueError, match="op must be"):
+        fs.count_cmp(other, rows, "gt")
+
+
+def test_the_check_fails_on_a_wrong_add_row_max_or_count(monkeypatch):
+    """verified() checks the add, the row max and the tie counts too: one off by a bit in the last place
+    (or a count off by one) fails it."""
     if not fs.active(torch.bfloat16):
         pytest.skip("the fused bf16 passes are off here")
     right_add, right_fill = fs.add_, fs.scale_fill_
@@ -131,7 +151,14 @@ def test_the_check_fails_on_a_wrong_add_or_row_max(monkeypatch):
             out[1].view(torch.int16 if s.dtype == torch.bfloat16 else torch.int32)[0, 0, 0, 0] += 1
         return out
 
-    for name, wrong in (("add_", add_then_nudge), ("scale_fill_", max_nudged)):
+    right_count = fs.count_cmp
+
+    def count_off_by_one(s, thr, op):
+        out = right_count(s, thr, op)
+        out[0, 0, 0, 0] += 1
+        return out
+
+    for name, wrong in (("add_", add_then_nudge), ("scale_fill_", max_nudged), ("count_cmp", count_off_by_one)):
         monkeypatch.setattr(fs, name, wrong)
         fs.verified.cache_clear()
         try:

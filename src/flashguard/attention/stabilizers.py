@@ -36,11 +36,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..numerics import fused_softmax
 from ..numerics.arith import cast
 from ..numerics.formats import round_to
 from ..numerics.policy import PrecisionPolicy
 
-__all__ = ["count_true", "exact_ties", "Stabilizer", "NoStabilizer", "PaperStabilizer", "SafeStabilizer",
+__all__ = ["count_true", "count_cmp", "exact_ties", "Stabilizer", "NoStabilizer", "PaperStabilizer", "SafeStabilizer",
            "get_stabilizer", "STABILIZERS"]
 
 
@@ -61,10 +62,18 @@ def count_true(mask: torch.Tensor) -> torch.Tensor:
     return lanes.sum(dim=-1, keepdim=True, dtype=torch.int32)
 
 
+def count_cmp(s: torch.Tensor, thr: torch.Tensor, op: str) -> torch.Tensor:
+    """Per row, how many scores are >= (op "ge") or == (op "eq") the row's ``thr`` (..., rows, 1),
+    as int32 (..., rows, 1): one C pass over the tile where numerics.fused_softmax runs, else a
+    boolean tile counted by ``count_true``."""
+    n = fused_softmax.count_cmp(s, thr, op)
+    return fused_softmax.torch_count_cmp(s, thr, op) if n is None else n
+
+
 def exact_ties(s: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
     """(..., rows, 1) bool: the row's maximum occurs at least twice, bit for bit. With m equal
     to that maximum, those keys all get Pbar = exp(0) = 1: the study's trigger."""
-    return count_true((s == row_max).contiguous()) > 1
+    return count_cmp(s, row_max, "eq") > 1
 
 
 class Stabilizer:
@@ -107,7 +116,7 @@ class PaperStabilizer(Stabilizer):
 
     def tied(self, s, row_max, policy):
         # at least two scores within tol of the tile row's max, compared in the scores format
-        return count_true((s >= cast(row_max - self.tol, policy.scores)).contiguous()) > 1
+        return count_cmp(s, cast(row_max - self.tol, policy.scores), "ge") > 1
 
     def shift(self, s, row_max, policy):
         fmt = policy.scores

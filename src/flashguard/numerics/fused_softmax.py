@@ -14,7 +14,9 @@ so the bits are torch's:
 * ``p_from_lse_(s, lse, scale, hidden)``: the backward's P = exp(S * scale - lse), hidden scores
   -inf;
 * ``ds_(p, dp, delta, scale)``: dS = (P * scale) * (dP - delta), into p;
-* ``add_(a, b)``: a bf16 accumulator's a + b, into a (O, dQ, dK and dV in the study's arithmetic).
+* ``add_(a, b)``: a bf16 accumulator's a + b, into a (O, dQ, dK and dV in the study's arithmetic);
+* ``count_cmp(s, thr, op)``: per row, how many entries are >= (or ==) the row's value: the tie
+  rules' count (attention/stabilizers.py), without a boolean tile.
 
 For bf16 tiles (scores, P and dP in bf16: the study's arithmetic) each step widens to fp32, does
 one fp32 operation and rounds to bf16, as torch's bf16 ops do, and the exponential is torch's
@@ -53,7 +55,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import native
 from .bf16_gemm import _pool
 
-__all__ = ["scale_fill_", "p_from_max_", "p_from_lse_", "ds_", "add_", "active", "verified", "applies"]
+__all__ = ["scale_fill_", "p_from_max_", "p_from_lse_", "ds_", "add_", "count_cmp", "active", "verified", "applies"]
 
 _GRAIN = 32768   # at::internal::GRAIN_SIZE: torch's elementwise loops split into chunks of at least this
 # torch's vector loop on AVX-512 takes 2 vectors a step (bf16: 2 x 32 lanes, fp32: 2 x 16; a conversion
@@ -256,6 +258,26 @@ def add_(a: torch.Tensor, b: torch.Tensor) -> "torch.Tensor | None":
     return a
 
 
+def count_cmp(s: torch.Tensor, thr: torch.Tensor, op: str) -> "torch.Tensor | None":
+    """Per row of ``s`` (..., n, w), how many entries are ``>=`` (op "ge") or ``==`` (op "eq") the
+    row's value in ``thr`` (..., n, 1), as int32 (..., n, 1): ``torch_count_cmp``'s counts. A compare
+    rounds nothing, so any CPU with the library gives torch's answer; tiles must be contiguous rows
+    of whole 16-lane vectors."""
+    if op not in ("ge", "eq"):
+        raise ValueError(f"count_cmp: op must be 'ge' or 'eq', got {op!r}")
+    if not (s.dtype in _DTYPES and thr.dtype == s.dtype and s.device.type == "cpu" and s.dim() >= 2
+            and s.is_contiguous() and s.numel() > 0 and s.shape[-1] % 16 == 0 and _row_shift(thr, s)
+            and _get_current_dispatch_mode() is None and not torch.compiler.is_compiling()
+            and _library(s.dtype) is not None and active(s.dtype)):
+        return None
+    lib, w = _library(s.dtype), s.shape[-1]
+    f = lib.fg_bf16_count_cmp if s.dtype == torch.bfloat16 else lib.fg_f32_count_cmp
+    rows, out = _rows(thr, s), torch.empty((*s.shape[:-1], 1), dtype=torch.int32)
+    ge = int(op == "ge")
+    _run(lambda r0, r1: f(s.data_ptr(), rows.data_ptr(), ge, out.data_ptr(), w, r0, r1), s)
+    return out
+
+
 # --- the torch ops each pass stands for: the check's reference, and attention/flash.py's steps
 # where a pass declines (native bf16 / fp32 formats, where rounding to the format is the op's own)
 
@@ -293,6 +315,11 @@ def torch_ds_(p, dp, delta, scale):
 
 def torch_add_(a, b):
     return a.add_(b)
+
+
+def torch_count_cmp(s, thr, op):
+    from ..attention.stabilizers import count_true
+    return count_true(((s >= thr) if op == "ge" else (s == thr)).contiguous())
 
 
 def _native_format(dtype):
@@ -362,6 +389,11 @@ def verified(dtype: torch.dtype) -> bool:
             if dtype == torch.float32 and not _same(
                     _unchecked(ds_, p.clone(), dp, rows, scale, True),
                     torch_ds_(p.clone(), dp, rows, scale).to(torch.bfloat16).to(torch.float32)):
+                return False
+    for tile in (s, other):   # the tie rules' counts, at and below each row's max
+        top = tile.amax(dim=-1, keepdim=True)
+        for thr, op in ((top, "eq"), (top, "ge"), (rows, "ge"), (rows, "eq"), (tile[..., :1].contiguous(), "eq")):
+            if not torch.equal(_unchecked(count_cmp, tile, thr, op), torch_count_cmp(tile, thr, op)):
                 return False
     if dtype == torch.bfloat16:  # the accumulators' add: every bit pattern against two others
         flipped = s.flip(-1).contiguous()

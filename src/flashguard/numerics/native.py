@@ -101,7 +101,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                 "fg_bf16_ds": [p, p, p, f, i, n, n, n], "fg_bf16_add": [p, p, n, n, n],
                 "fg_bf16_scale_fill": [p, p, n, f, u16, p, n, n, n],
                 "fg_f32_p": [p, p, p, n, f, i, i, i, p, n, n, n], "fg_f32_ds": [p, p, p, f, i, i, n, n, n],
-                "fg_f32_scale_fill": [p, p, n, f, f, p, n, n, n]}
+                "fg_f32_scale_fill": [p, p, n, f, f, p, n, n, n],
+                "fg_bf16_count_cmp": [p, p, i, p, n, n, n], "fg_f32_count_cmp": [p, p, i, p, n, n, n]}
     for name, args in optional.items():
         if hasattr(lib, name):
             getattr(lib, name).argtypes = args

@@ -172,6 +172,24 @@ FG_AVX512 void fg_bf16_scale_fill(uint16_t *s, const uint8_t *hidden, int64_t pe
     }
 }
 
+/* How many entries of each row compare to the row's value thr[r] as ``ge`` (s >= thr) or, ge = 0,
+ * equal (s == thr), into count[r]: torch's compare of bf16 values (exact in fp32; NaN compares
+ * false, -0 equals +0) summed. Rows are whole 16-lane vectors. */
+FG_AVX512 void fg_bf16_count_cmp(const uint16_t *s, const uint16_t *thr, int ge, int32_t *count, int64_t w,
+                                 int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t *row = s + r * w;
+        const __m512 t = row_value(thr, r);
+        int32_t n = 0;
+        for (int64_t j = 0; j < w; j += 16) {
+            __m512 x = widen(row + j);
+            __mmask16 hit = ge ? _mm512_cmp_ps_mask(x, t, _CMP_GE_OQ) : _mm512_cmp_ps_mask(x, t, _CMP_EQ_OQ);
+            n += __builtin_popcount((unsigned)hit);
+        }
+        count[r] = n;
+    }
+}
+
 /* a = bf16(a + b): a bf16 accumulator's in-place add_ (the study's arithmetic accumulates O, dQ,
  * dK and dV in bf16 across tiles). In place. */
 FG_AVX512 void fg_bf16_add(uint16_t *a, const uint16_t *b, int64_t w, int64_t r0, int64_t r1) {
@@ -268,6 +286,22 @@ FG_AVX512 void fg_f32_ds(float *p, const float *dp, const float *shift, float sc
 }
 
 /* S = S * scale, hidden entries then ``fill``. In place. */
+/* fg_bf16_count_cmp on fp32 tiles */
+FG_AVX512 void fg_f32_count_cmp(const float *s, const float *thr, int ge, int32_t *count, int64_t w, int64_t r0,
+                                int64_t r1) {
+    for (int64_t r = r0; r < r1; r++) {
+        const float *row = s + r * w;
+        const __m512 t = _mm512_set1_ps(thr[r]);
+        int32_t n = 0;
+        for (int64_t j = 0; j < w; j += 16) {
+            __m512 x = _mm512_loadu_ps(row + j);
+            __mmask16 hit = ge ? _mm512_cmp_ps_mask(x, t, _CMP_GE_OQ) : _mm512_cmp_ps_mask(x, t, _CMP_EQ_OQ);
+            n += __builtin_popcount((unsigned)hit);
+        }
+        count[r] = n;
+    }
+}
+
 FG_AVX512 void fg_f32_scale_fill(float *s, const uint8_t *hidden, int64_t period, float scale, float fill,
                                  float *rowmax, int64_t w, int64_t r0, int64_t r1) {
     const __m512 sc = _mm512_set1_ps(scale), f = _mm512_set1_ps(fill);
