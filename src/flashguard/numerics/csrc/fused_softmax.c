@@ -172,6 +172,12 @@ FG_AVX512 void fg_bf16_scale_fill(uint16_t *s, const uint8_t *hidden, int64_t pe
     }
 }
 
+/* how many lanes of x are >= t (ge) or == t: ordered compares, NaN is never counted */
+FG_AVX512 static inline int lanes_cmp(__m512 x, __m512 t, int ge) {
+    __mmask16 hit = ge ? _mm512_cmp_ps_mask(x, t, _CMP_GE_OQ) : _mm512_cmp_ps_mask(x, t, _CMP_EQ_OQ);
+    return __builtin_popcount((unsigned)hit);
+}
+
 /* How many entries of each row compare to the row's value thr[r] as ``ge`` (s >= thr) or, ge = 0,
  * equal (s == thr), into count[r]: torch's compare of bf16 values (exact in fp32; NaN compares
  * false, -0 equals +0) summed. Rows are whole 16-lane vectors. */
@@ -181,11 +187,7 @@ FG_AVX512 void fg_bf16_count_cmp(const uint16_t *s, const uint16_t *thr, int ge,
         const uint16_t *row = s + r * w;
         const __m512 t = row_value(thr, r);
         int32_t n = 0;
-        for (int64_t j = 0; j < w; j += 16) {
-            __m512 x = widen(row + j);
-            __mmask16 hit = ge ? _mm512_cmp_ps_mask(x, t, _CMP_GE_OQ) : _mm512_cmp_ps_mask(x, t, _CMP_EQ_OQ);
-            n += __builtin_popcount((unsigned)hit);
-        }
+        for (int64_t j = 0; j < w; j += 16) n += lanes_cmp(widen(row + j), t, ge);
         count[r] = n;
     }
 }
@@ -293,11 +295,7 @@ FG_AVX512 void fg_f32_count_cmp(const float *s, const float *thr, int ge, int32_
         const float *row = s + r * w;
         const __m512 t = _mm512_set1_ps(thr[r]);
         int32_t n = 0;
-        for (int64_t j = 0; j < w; j += 16) {
-            __m512 x = _mm512_loadu_ps(row + j);
-            __mmask16 hit = ge ? _mm512_cmp_ps_mask(x, t, _CMP_GE_OQ) : _mm512_cmp_ps_mask(x, t, _CMP_EQ_OQ);
-            n += __builtin_popcount((unsigned)hit);
-        }
+        for (int64_t j = 0; j < w; j += 16) n += lanes_cmp(_mm512_loadu_ps(row + j), t, ge);
         count[r] = n;
     }
 }
