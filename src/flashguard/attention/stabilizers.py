@@ -67,7 +67,9 @@ def count_cmp(s: torch.Tensor, thr: torch.Tensor, op: str) -> torch.Tensor:
     as int32 (..., rows, 1): one C pass over the tile where numerics.fused_softmax runs, else a
     boolean tile counted by ``count_true``."""
     n = fused_softmax.count_cmp(s, thr, op)
-    return fused_softmax.torch_count_cmp(s, thr, op) if n is None else n
+    if n is None:
+        n = count_true(((s >= thr) if op == "ge" else (s == thr)).contiguous())
+    return n
 
 
 def exact_ties(s: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
