@@ -14,7 +14,8 @@ so the bits are torch's:
 * ``p_from_lse_(s, lse, scale, hidden)``: the backward's P = exp(S * scale - lse), hidden scores
   -inf;
 * ``ds_(p, dp, delta, scale)``: dS = (P * scale) * (dP - delta), into p;
-* ``add_(a, b)``: a bf16 accumulator's a + b, into a (O, dQ, dK and dV in the study's arithmetic);
+* ``add_(a, b)``: a bf16 accumulator's a + b, into a (the backward's dQ, dK and dV in the study's
+  arithmetic);
 * ``count_cmp(s, thr, op)``: per row, how many entries are >= (or ==) the row's value: the tie
   rules' count (attention/stabilizers.py), without a boolean tile.
 
