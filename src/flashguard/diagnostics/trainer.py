@@ -46,9 +46,9 @@ from .update_entropy import UpdateEntropyHook
 __all__ = ["TrainerDiagnostics", "DiagnosticsHook", "training_hooks", "DEFAULT_EVERY"]
 
 # The recommended interval. One probe of all four tiny-cpu layers costs about three training
-# steps (benchmarks/diagnostics.py on one core: 1.26 s against 0.42 s per step; the measurement
-# alone, the fp64 reference and the layer's arithmetic, 1.87 steps), so every 50 steps adds ~6 %
-# (measured: +2.8 % and +7.2 % in two runs; the goal is <= 10 %), and the monitor still sees a
+# steps (benchmarks/diagnostics.py on one core: 1.15 s against 0.38 s per step; the measurement
+# alone, the fp64 reference and the layer's arithmetic, 1.88 steps), so every 50 steps adds ~6 %
+# (measured: +2.8 % to +7.2 % over four runs; the goal is <= 10 %), and the monitor still sees a
 # runaway within ~100 steps.
 DEFAULT_EVERY = 50
 

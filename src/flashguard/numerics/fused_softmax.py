@@ -268,8 +268,7 @@ def count_cmp(s: torch.Tensor, thr: torch.Tensor, op: str) -> "torch.Tensor | No
         raise ValueError(f"count_cmp: op must be 'ge' or 'eq', got {op!r}")
     if not (s.dtype in _DTYPES and thr.dtype == s.dtype and s.device.type == "cpu" and s.dim() >= 2
             and s.is_contiguous() and s.numel() > 0 and s.shape[-1] % 16 == 0 and _row_shift(thr, s)
-            and _get_current_dispatch_mode() is None and not torch.compiler.is_compiling()
-            and _library(s.dtype) is not None and active(s.dtype)):
+            and _get_current_dispatch_mode() is None and not torch.compiler.is_compiling() and active(s.dtype)):
         return None
     lib, w = _library(s.dtype), s.shape[-1]
     f = lib.fg_bf16_count_cmp if s.dtype == torch.bfloat16 else lib.fg_f32_count_cmp

@@ -95,8 +95,8 @@ NATURAL_PRESETS: dict[str, NaturalPreset] = {p.name: p for p in (
     NaturalPreset("nat512", "tiny-cpu-512-docs", steps=1000, diagnostics_every=50,
                   about="the tiny-cpu model at T = 512 on short documents (data/embedded-docs, data.doc_starts: "
                         "a median of 2 separators a window, the study's window structure), seed 1337, 1,000 steps, "
-                        "probes every 50 steps on every layer; on one core of a Sapphire Rapids about 1.0 s a step, 21 "
-                        "min an arm (paper; sdpa 18, fa2 31: benchmarks/natural_arm.py), 2.0-3.5 s and 38-60 min "
+                        "probes every 50 steps on every layer; on one core of a Sapphire Rapids about 0.9 s a step, 17 "
+                        "min an arm (paper; sdpa 18, fa2 28: benchmarks/natural_arm.py), 2.0-3.5 s and 38-60 min "
                         "before the C kernels on the machines of the first runs"),
     NaturalPreset("natural-smoke", "micro", steps=12, diagnostics_every=2,
                   overrides=("train.eval_every=6", "train.eval_batches=1", "train.checkpoint_every=6",
